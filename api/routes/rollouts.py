@@ -1,0 +1,46 @@
+"""`/v1/rollouts`: one job."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+
+from api import service
+from api.deps import services
+from api.schemas import RolloutAccepted, RolloutRequest, Trajectory
+from api.service import Services
+
+router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=RolloutAccepted,
+    responses={200: {"model": Trajectory, "description": "finished within `timeout` (wait=true)"}},
+)
+def submit(
+    body: RolloutRequest,
+    wait: bool = Query(False, description="block until the job finishes"),
+    timeout: float = Query(300.0, gt=0, description="seconds to block with wait=true"),
+    svc: Services = Depends(services),
+) -> RolloutAccepted | JSONResponse:
+    job_id = service.submit_rollout(svc, body)
+    if wait:
+        trajectory = service.wait_for_job(svc, job_id, timeout)
+        if trajectory.status.terminal:
+            return JSONResponse(trajectory.model_dump(mode="json"), status_code=200)
+    return RolloutAccepted(job_id=job_id)
+
+
+@router.get("/{job_id}", response_model=Trajectory)
+def get(job_id: str, svc: Services = Depends(services)) -> Trajectory:
+    """The job's trajectory: final when it has finished, partial while it runs."""
+    return svc.store.trajectory(job_id)
+
+
+@router.delete("/{job_id}", response_model=Trajectory)
+def cancel(job_id: str, svc: Services = Depends(services)) -> Trajectory:
+    """Cancel the job (a finished job is left as it is) and return what it has."""
+    service.cancel_jobs(svc, [job_id])
+    return svc.store.trajectory(job_id)

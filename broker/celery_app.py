@@ -1,0 +1,79 @@
+"""The Celery app: three queues, one chain per job, settings for long I/O-bound tasks."""
+
+from __future__ import annotations
+
+from celery import Celery, chain
+from kombu import Queue
+
+from broker.settings import Settings, get_settings
+
+QUEUES = ("init", "run", "eval")
+TASK_NAMES = {stage: f"rollserve.{stage}" for stage in QUEUES}
+
+
+def create_celery(settings: Settings, broker_url: str) -> Celery:
+    """A Celery app on `broker_url` configured from `settings`.
+
+    Late acknowledgement with requeue on worker loss and a prefetch of one: a job whose worker
+    dies is redelivered, and a busy process never sits on a second job. The Redis visibility
+    timeout stays above every hard time limit so a long stage is not redelivered while it runs.
+    """
+    app = Celery("rollserve", broker=broker_url, backend=broker_url, include=["workers.tasks"])
+    app.conf.update(
+        task_queues=[Queue(name) for name in QUEUES],
+        task_default_queue="run",
+        task_routes={TASK_NAMES[stage]: {"queue": stage} for stage in QUEUES},
+        task_annotations={
+            TASK_NAMES[stage]: {
+                "soft_time_limit": getattr(settings, f"{stage}_soft_time_limit"),
+                "time_limit": getattr(settings, f"{stage}_time_limit"),
+            }
+            for stage in QUEUES
+        },
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={"visibility_timeout": settings.effective_visibility_timeout},
+        result_backend_transport_options={"visibility_timeout": settings.effective_visibility_timeout},
+        broker_connection_retry_on_startup=True,
+        result_expires=settings.result_expires,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_track_started=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        worker_hijack_root_logger=False,
+        worker_max_tasks_per_child=1000,
+    )
+    return app
+
+
+_app: Celery | None = None
+
+
+def get_celery() -> Celery:
+    """The process's Celery app, on `ROLLSERVE_REDIS_URL`."""
+    global _app
+    if _app is None:
+        settings = get_settings()
+        if not settings.redis_url:
+            raise RuntimeError(
+                "ROLLSERVE_REDIS_URL is not set: start the stack with `rollserve up`, "
+                "or point ROLLSERVE_REDIS_URL at a Redis server"
+            )
+        _app = create_celery(settings, settings.redis_url)
+    return _app
+
+
+def job_chain(app: Celery, job_id: str, task_ids: dict[str, str]) -> chain:
+    """The job's pipeline, init → run → eval, with the task ids recorded in its job record."""
+    return chain(
+        *(
+            app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
+                task_id=task_ids[stage]
+            )
+            for stage in QUEUES
+        )
+    )

@@ -1,0 +1,102 @@
+"""The one settings object: every knob is a ``ROLLSERVE_*`` environment variable."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+class Settings(BaseSettings):
+    """rollserve configuration, read from ``ROLLSERVE_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLSERVE_", extra="ignore")
+
+    redis_url: str | None = None
+    """Redis for the broker and the job store. Unset: an embedded Redis is started."""
+    data_dir: Path = Path(".rollserve")
+    """Working files of `rollserve up`: the embedded Redis's data directory, logs."""
+    key_prefix: str = "rs:"
+    """Prefix of every Redis key the job store and the backend pool write."""
+
+    url: str = "http://127.0.0.1:8600"
+    """Where client commands (`submit`, `status`) find the gateway."""
+    host: str = "127.0.0.1"
+    """Interface the gateway binds."""
+    port: int = 8600
+    """Port the gateway binds."""
+    api_token: str | None = None
+    """When set, every /v1 request needs `Authorization: Bearer <token>`."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body the gateway accepts (413 beyond)."""
+    max_wait_seconds: float = 600.0
+    """Longest a `?wait=true` request blocks before answering with the job as it is."""
+
+    init_soft_time_limit: float = 300.0
+    """Seconds INIT may run before it is stopped and the job is timed out."""
+    init_time_limit: float = 330.0
+    """Hard limit for INIT: the worker process is killed past it."""
+    run_soft_time_limit: float = 1800.0
+    """Seconds RUN (the whole agent loop) may run."""
+    run_time_limit: float = 1860.0
+    """Hard limit for RUN."""
+    eval_soft_time_limit: float = 600.0
+    """Seconds EVAL may run."""
+    eval_time_limit: float = 660.0
+    """Hard limit for EVAL."""
+    visibility_timeout: float | None = None
+    """Seconds before Redis redelivers an unacknowledged task. Default: longest hard limit + 10 min."""
+    result_expires: int = 86400
+    """Seconds Celery keeps task results; job records expire after `job_ttl`."""
+    job_ttl: int = 7 * 86400
+    """Seconds a finished job's record and trajectory stay in Redis."""
+
+    backend_timeout: float = 600.0
+    """Seconds one inference request may take."""
+    backend_retries: int = 3
+    """Attempts per inference request on connection errors and 5xx answers."""
+
+    max_tokens: int = 1024
+    """Default `sampling.max_tokens` (tokens per model call)."""
+    max_turns: int = 8
+    """Default `agent.max_turns`."""
+    max_total_tokens: int = 8192
+    """Default `agent.max_total_tokens` (all response ids of one job)."""
+
+    dev_backend_port: int = 8601
+    """Port of the development inference server that `rollserve up` starts."""
+    tiny_model_dir: Path = Path(".rollserve/tiny-qwen3")
+    """Where `up`/`demo` keep the tiny random Qwen3 model of the development server."""
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        for stage in ("init", "run", "eval"):
+            soft = getattr(self, f"{stage}_soft_time_limit")
+            hard = getattr(self, f"{stage}_time_limit")
+            if soft >= hard:
+                raise ValueError(
+                    f"ROLLSERVE_{stage.upper()}_SOFT_TIME_LIMIT ({soft}) must be below "
+                    f"ROLLSERVE_{stage.upper()}_TIME_LIMIT ({hard})"
+                )
+        if self.visibility_timeout is not None and self.visibility_timeout <= self.longest_hard_limit:
+            raise ValueError(
+                f"ROLLSERVE_VISIBILITY_TIMEOUT ({self.visibility_timeout}) must exceed the longest "
+                f"hard time limit ({self.longest_hard_limit}), or tasks are redelivered while they run"
+            )
+        return self
+
+    @property
+    def longest_hard_limit(self) -> float:
+        return max(self.init_time_limit, self.run_time_limit, self.eval_time_limit)
+
+    @property
+    def effective_visibility_timeout(self) -> float:
+        if self.visibility_timeout is not None:
+            return self.visibility_timeout
+        return self.longest_hard_limit + 600.0
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

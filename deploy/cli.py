@@ -1,0 +1,291 @@
+"""The `rollserve` command: up, worker, gateway, submit, status, dev-backend, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from broker.celery_app import QUEUES
+from broker.settings import Settings, get_settings
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """SIGTERM and SIGINT become a normal exit path, so children are stopped, never orphaned."""
+    stopping = threading.Event()
+
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stopping
+
+
+def _parse_backend(value: str) -> dict[str, str]:
+    """`URL=MODEL` or `URL=MODEL:kind` → a backend registration."""
+    if "=" not in value:
+        raise argparse.ArgumentTypeError(f"--backend {value!r}: expected URL=MODEL[:vllm|sglang]")
+    url, model = value.split("=", 1)
+    kind = "vllm"
+    if model.rsplit(":", 1)[-1] in ("vllm", "sglang"):
+        model, kind = model.rsplit(":", 1)
+    return {"url": url, "model": model, "kind": kind}
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from deploy.stack import DevBackendOptions, Stack, StackOptions
+
+    options = StackOptions(
+        workers={"init": args.init_workers, "run": args.run_workers, "eval": args.eval_workers},
+        backends=list(args.backend or []),
+        flower=args.flower,
+        flower_port=args.flower_port,
+        gateway_port=args.port,
+    )
+    if not args.backend or args.dev_backend:
+        options.dev_backend = DevBackendOptions(
+            model_dir=args.model or settings.tiny_model_dir, script=args.script
+        )
+    stopping = _stop_on_sigterm()
+    stack = Stack(settings, options)
+    print("starting rollserve ...", flush=True)
+    with stack:
+        print(f"gateway      {stack.gateway_url}  (OpenAPI at {stack.gateway_url}/docs)")
+        print(f"redis        {stack.redis_url}{'  (embedded)' if stack.redis else ''}")
+        if stack.dev_backend_url:
+            print(f"dev backend  {stack.dev_backend_url}  (stand-in for vLLM)")
+        if args.flower:
+            print(f"flower       http://127.0.0.1:{args.flower_port}")
+        print(f"workers      {', '.join(stack.worker_names.values())}")
+        print(f"logs         {settings.data_dir / 'logs'}")
+        print("Ctrl-C stops everything.", flush=True)
+        stopping.wait()
+        print("stopping ...", flush=True)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    if not settings.redis_url:
+        print("rollserve worker: set ROLLSERVE_REDIS_URL to the stack's Redis", file=sys.stderr)
+        return 2
+    from broker.celery_app import get_celery
+
+    argv = ["worker", "-Q", args.queue, "-P", "prefork", "-E", "--loglevel", args.loglevel]
+    argv += ["-n", args.hostname or f"{args.queue}-{os.getpid()}@%h"]
+    if args.concurrency:
+        argv += ["--concurrency", str(args.concurrency)]
+    if args.autoscale:
+        argv += ["--autoscale", args.autoscale]
+    get_celery().worker_main(argv)
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    uvicorn.run("api.main:app", host=args.host or settings.host, port=args.port or settings.port)
+    return 0
+
+
+def _client(settings: Settings, url: str | None) -> Any:
+    from api.client import RolloutClient
+
+    return RolloutClient(url or settings.url, token=settings.api_token)
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+
+    from api.client import RolloutServiceError
+    from deploy.submit import SubmitInputError, read_tasks, render_summary, submit_and_collect
+
+    console = Console(stderr=True)
+    try:
+        tasks = read_tasks(args.tasks)
+    except (SubmitInputError, OSError) as exc:
+        console.print(f"[red]rollserve submit: {exc}[/red]")
+        return 2
+    sampling = {k: v for k, v in _sampling_args(args).items() if v is not None}
+    agent = {"max_turns": args.max_turns} if args.max_turns else None
+    try:
+        with _client(settings, args.url) as client:
+            summary = submit_and_collect(
+                client, tasks, group_size=args.group_size, out=args.out,
+                sampling=sampling or None, agent=agent, console=console,
+            )  # fmt: skip
+    except (RolloutServiceError, SubmitInputError) as exc:
+        console.print(f"[red]rollserve submit: {exc}[/red]")
+        return 1
+    render_summary(summary, Console())
+    return 0
+
+
+def _sampling_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+
+    from api.client import RolloutServiceError
+    from deploy.submit import render_status
+
+    try:
+        with _client(settings, args.url) as client:
+            render_status(client.stats(), client.list_backends(), Console())
+    except RolloutServiceError as exc:
+        print(f"rollserve status: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+
+    from api.client import RolloutClient
+    from broker.processes import free_port
+    from deploy.stack import DevBackendOptions, Stack, StackOptions
+    from deploy.submit import read_tasks, render_summary, submit_and_collect
+
+    for path in (args.tasks, args.script):
+        if not path.exists():
+            print(f"rollserve demo: {path} not found (run it from the repository root)", file=sys.stderr)
+            return 2
+    tasks = read_tasks(args.tasks)
+    console = Console()
+    options = StackOptions(
+        dev_backend=DevBackendOptions(model_dir=settings.tiny_model_dir, script=args.script),
+        gateway_port=args.port or free_port(),
+    )
+    console.print(
+        f"[bold]rollserve demo[/bold]: {len(tasks)} tasks x {args.group_size} samples through "
+        "init → run → eval on an embedded Redis, the development inference server (scripted "
+        "completions scored by a tiny random Qwen3) and one prefork worker per queue"
+    )
+    _stop_on_sigterm_as_interrupt()
+    with Stack(settings, options) as stack:
+        console.print(f"gateway {stack.gateway_url}, redis {stack.redis_url}")
+        with RolloutClient(stack.gateway_url, token=settings.api_token) as client:
+            summary = submit_and_collect(
+                client, tasks, group_size=args.group_size, out=args.out,
+                sampling={"temperature": 1.0, "seed": 0, "max_tokens": 256},
+                agent={"max_turns": 3}, console=console,
+            )  # fmt: skip
+    render_summary(summary, console)
+    console.print(f"trajectories written to [bold]{args.out}[/bold]")
+    return 0
+
+
+def _stop_on_sigterm_as_interrupt() -> None:
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_dev_backend(argv: list[str]) -> int:
+    from routing.devserver.cli import main as dev_main
+
+    return dev_main(argv)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollserve", description="Rollout-as-a-service for RL of multi-turn LLM agents."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole stack on this machine (Ctrl-C stops it)")
+    up.add_argument("--port", type=int, default=None, help="gateway port (default ROLLSERVE_PORT)")
+    up.add_argument("--backend", type=_parse_backend, action="append", metavar="URL=MODEL[:kind]",
+                    help="register a real vLLM/SGLang server (repeatable); no dev backend then")  # fmt: skip
+    up.add_argument("--dev-backend", action="store_true", help="also start the development server")
+    up.add_argument("--model", type=Path, default=None, help="model dir for the development server")
+    up.add_argument("--script", type=Path, default=None, help="scripted completions (JSONL)")
+    for queue in QUEUES:
+        up.add_argument(f"--{queue}-workers", type=int, default=1, metavar="N",
+                        help=f"prefork processes on the {queue} queue")  # fmt: skip
+    up.add_argument("--flower", action="store_true", help="start Flower too")
+    up.add_argument("--flower-port", type=int, default=5555)
+
+    worker = sub.add_parser("worker", help="a Celery worker on one queue")
+    worker.add_argument("queue", choices=QUEUES)
+    worker.add_argument("--concurrency", type=int, default=None)
+    worker.add_argument("--autoscale", default=None, metavar="MAX,MIN")
+    worker.add_argument("--hostname", default=None, help="Celery node name (default QUEUE-PID@host)")
+    worker.add_argument("--loglevel", default="INFO")
+
+    gateway = sub.add_parser("gateway", help="the REST gateway alone")
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=None)
+
+    submit = sub.add_parser("submit", help="submit a JSONL file of tasks as one batch")
+    submit.add_argument("tasks", type=Path)
+    submit.add_argument("--group-size", type=int, default=1)
+    submit.add_argument("--out", type=Path, required=True)
+    submit.add_argument("--temperature", type=float, default=None)
+    submit.add_argument("--top-p", type=float, default=None)
+    submit.add_argument("--max-tokens", type=int, default=None)
+    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--max-turns", type=int, default=None)
+    submit.add_argument("--url", default=None, help="gateway URL (default ROLLSERVE_URL)")
+
+    status = sub.add_parser("status", help="queues, workers, backends and throughput")
+    status.add_argument("--url", default=None)
+
+    sub.add_parser("dev-backend", help="the development inference server (vLLM's API on CPU)",
+                   add_help=False)  # fmt: skip
+
+    demo = sub.add_parser("demo", help="run the shipped examples end to end")
+    demo.add_argument("--tasks", type=Path, default=Path("examples/demo_tasks.jsonl"))
+    demo.add_argument("--script", type=Path, default=Path("examples/demo_script.jsonl"))
+    demo.add_argument("--group-size", type=int, default=4)
+    demo.add_argument("--out", type=Path, default=Path("results/demo.jsonl"))
+    demo.add_argument("--port", type=int, default=None)
+    return parser
+
+
+COMMANDS = {
+    "up": cmd_up,
+    "worker": cmd_worker,
+    "gateway": cmd_gateway,
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "dev-backend":
+        return cmd_dev_backend(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        settings = get_settings()
+    except ValueError as exc:
+        print(f"rollserve: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    return COMMANDS[args.command](args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

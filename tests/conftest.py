@@ -1,0 +1,44 @@
+"""Shared fixtures: a real embedded Redis per test session, a clean database per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.embedded import EmbeddedRedis
+
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    """URL of an empty Redis database (flushed before and after the test)."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    yield redis_server.url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def work_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("work")

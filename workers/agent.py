@@ -1,0 +1,137 @@
+"""The agent loop: call the policy, let the handler react, append its reply as ids, repeat."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from routing.vllm import Completion
+from workers.handlers.base import Handler
+from workers.trajectory import TrajectoryBuilder
+
+
+class PolicyClient(Protocol):
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+    ) -> Completion: ...
+
+    async def max_model_len(self) -> int: ...
+
+
+class Templater(Protocol):
+    async def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
+
+    async def continuation_ids(
+        self,
+        last_output_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds of one episode; every field is resolved (no None) before the loop starts."""
+
+    max_turns: int
+    max_total_tokens: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+@dataclass
+class Episode:
+    builder: TrajectoryBuilder
+    stop_reason: str
+    truncated: bool
+
+
+async def run_episode(
+    handler: Handler,
+    task: dict[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    policy: PolicyClient,
+    templater: Templater,
+    limits: Limits,
+    on_turn: Callable[[TrajectoryBuilder], None] = lambda _b: None,
+) -> Episode:
+    """Run the multi-turn loop until an answer, `max_turns`, the token budget or the context ends it.
+
+    `stop_reason` says which: `answer` (or the handler's own reason), `max_turns`,
+    `token_budget`, `context_length`, or `max_tokens` (one call hit its per-call limit).
+    `on_turn` sees the builder after every turn, so a partial trajectory can be saved.
+    """
+    prompt = await templater.prompt_ids(messages, tools)
+    context = await policy.max_model_len()
+    builder = TrajectoryBuilder(prompt)
+    if len(prompt) >= context:
+        return Episode(builder, "context_length", truncated=True)
+
+    for turn in range(limits.max_turns):
+        budget_left = limits.max_total_tokens - len(builder.response_ids)
+        room = context - builder.sequence_length
+        if budget_left <= 0:
+            return Episode(builder, "token_budget", truncated=True)
+        if room <= 0:
+            return Episode(builder, "context_length", truncated=True)
+        max_tokens = min(limits.max_tokens, budget_left, room)
+
+        started = time.perf_counter()
+        completion = await policy.complete(
+            builder.sequence,
+            max_tokens=max_tokens,
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            seed=limits.seed,
+            stop=limits.stop,
+        )
+        builder.add_model_turn(
+            completion.output_ids,
+            completion.logprobs,
+            completion.text,
+            completion.finish_reason,
+            llm_seconds=time.perf_counter() - started,
+        )
+        on_turn(builder)
+
+        if completion.finish_reason == "length":
+            if max_tokens == room:
+                return Episode(builder, "context_length", truncated=True)
+            if max_tokens == budget_left and budget_left < limits.max_tokens:
+                return Episode(builder, "token_budget", truncated=True)
+            return Episode(builder, "max_tokens", truncated=True)
+
+        step_started = time.perf_counter()
+        step = handler.step(task, completion.text, turn)
+        step_seconds = time.perf_counter() - step_started
+        if step.done:
+            return Episode(builder, step.stop_reason or "answer", truncated=False)
+        if turn == limits.max_turns - 1:
+            break
+        observation = await templater.continuation_ids(completion.output_ids, step.messages, tools)
+        if len(builder.response_ids) + len(observation) >= limits.max_total_tokens:
+            return Episode(builder, "token_budget", truncated=True)
+        if builder.sequence_length + len(observation) >= context:
+            return Episode(builder, "context_length", truncated=True)
+        builder.add_env_turn(
+            observation,
+            text="\n".join(str(m.get("content", "")) for m in step.messages),
+            tool_seconds=step_seconds,
+        )
+        on_turn(builder)
+    return Episode(builder, "max_turns", truncated=False)

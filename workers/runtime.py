@@ -1,0 +1,95 @@
+"""What a worker process holds across tasks: Redis, the job store, the backend pool, an event loop
+and one inference client per backend (so connections and template pieces are reused)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+
+from api.schemas import Backend, JobStatus, StageError
+from broker.jobstore import JobStore
+from broker.settings import Settings, get_settings
+from routing.chat import ChatTemplater
+from routing.pool import BackendPool
+from routing.vllm import VLLMClient
+
+T = TypeVar("T")
+
+
+@dataclass
+class Runtime:
+    """Per-process state of a worker; stage functions take it as their first argument."""
+
+    settings: Settings
+    store: JobStore
+    pool: BackendPool
+    _loop: asyncio.AbstractEventLoop | None = None
+    _clients: dict[str, tuple[str, VLLMClient, ChatTemplater]] = field(default_factory=dict)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on this process's event loop; a loop left broken by an interrupt is replaced."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        try:
+            return self._loop.run_until_complete(coro)
+        except BaseException:
+            # A time limit raised mid-await leaves tasks and sockets pending: start afresh next time.
+            self._discard_loop()
+            raise
+
+    def policy(self, backend: Backend) -> tuple[VLLMClient, ChatTemplater]:
+        """The client and templater of `backend`, rebuilt if its URL or model changed."""
+        key = f"{backend.url}|{backend.model}"
+        cached = self._clients.get(backend.id)
+        if cached is None or cached[0] != key:
+            client = VLLMClient(
+                backend.url,
+                backend.model,
+                timeout=self.settings.backend_timeout,
+                retries=self.settings.backend_retries,
+            )
+            cached = (key, client, ChatTemplater(client))
+            self._clients[backend.id] = cached
+        return cached[1], cached[2]
+
+    def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
+        """Finish a job that will not complete (keeping its partial trajectory) and free its backend."""
+        try:
+            return self.store.finish(job_id, status, error=error)
+        finally:
+            self.pool.release(job_id)
+
+    def _discard_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        self._clients.clear()
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                loop.close()
+
+
+_runtime: tuple[int, Runtime] | None = None
+
+
+def get_runtime() -> Runtime:
+    """This process's runtime (made after fork: every prefork child builds its own)."""
+    global _runtime
+    if _runtime is None or _runtime[0] != os.getpid():
+        settings = get_settings()
+        if not settings.redis_url:
+            raise RuntimeError("ROLLSERVE_REDIS_URL is not set in the worker's environment")
+        client = redis.Redis.from_url(settings.redis_url)
+        _runtime = (
+            os.getpid(),
+            Runtime(
+                settings=settings,
+                store=JobStore(client, settings.key_prefix, settings.job_ttl),
+                pool=BackendPool(client, settings.key_prefix),
+            ),
+        )
+    return _runtime[1]

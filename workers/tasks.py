@@ -1,0 +1,63 @@
+"""The Celery tasks: thin adapters from a queue message to a stage function."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from celery import Task, shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+
+from api.schemas import JobStatus, StageError
+from broker.jobstore import JobNotFound
+from workers import stages
+from workers.runtime import Runtime, get_runtime
+
+log = logging.getLogger(__name__)
+
+
+def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, str], bool]) -> None:
+    """Run one stage; on error or time-out end the job with its partial trajectory.
+
+    When the job does not go on (finished, failed, cancelled) the rest of the chain is dropped,
+    so no later stage runs for it.
+    """
+    rt = get_runtime()
+    try:
+        proceed = fn(rt, job_id)
+    except JobNotFound:
+        log.warning("job %s is not in the store (expired or deleted); dropping its %s", job_id, stage)
+        proceed = False
+    except SoftTimeLimitExceeded:
+        limit = getattr(rt.settings, f"{stage}_soft_time_limit")
+        rt.end_job(
+            job_id,
+            JobStatus.timed_out,
+            StageError(stage=stage, type="timeout", message=f"{stage} ran past its {limit:g}s limit"),
+        )
+        proceed = False
+    except Exception as exc:
+        log.exception("job %s failed in %s", job_id, stage)
+        rt.end_job(
+            job_id,
+            JobStatus.failed,
+            StageError(stage=stage, type=type(exc).__name__, message=str(exc) or repr(exc)),
+        )
+        proceed = False
+    if not proceed:
+        task.request.chain = None
+
+
+@shared_task(name="rollserve.init", bind=True)
+def init_task(self: Task, job_id: str) -> None:
+    execute_stage(self, "init", job_id, stages.init_stage)
+
+
+@shared_task(name="rollserve.run", bind=True)
+def run_task(self: Task, job_id: str) -> None:
+    execute_stage(self, "run", job_id, stages.run_stage)
+
+
+@shared_task(name="rollserve.eval", bind=True)
+def eval_task(self: Task, job_id: str) -> None:
+    execute_stage(self, "eval", job_id, stages.eval_stage)
