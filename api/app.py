@@ -34,31 +34,37 @@ class BodySizeLimit:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 await self._refuse(send)
                 return
+        # Read the whole body first (it is bounded), so an oversized one never reaches a route.
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.limit:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._refuse(send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
         response = JSONResponse(
             {"detail": f"request body is larger than the {self.limit}-byte limit"}, status_code=413
         )
         await response({"type": "http"}, _no_receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 async def _no_receive() -> Message:
@@ -85,7 +91,9 @@ def require_token(
 
 def build_services(settings: Settings) -> Services:
     if not settings.redis_url:
-        raise RuntimeError("the gateway needs ROLLSERVE_REDIS_URL (or start it with `rollserve up`)")
+        raise RuntimeError(
+            "the gateway needs ROLLSERVE_REDIS_URL (or start it with `rollserve up`)"
+        )
     client = redis.Redis.from_url(settings.redis_url)
     return Services(
         settings=settings,

@@ -217,9 +217,9 @@ class Trajectory(BaseModel):
     policy_version: int | None = None
     backend_id: str | None = None
     stop_reason: str | None = None
-    """`answer`, `max_turns`, `token_budget`, `context_length` or `max_tokens`."""
+    """`answer`, `max_turns`, `token_budget` or `context_length`."""
     truncated: bool = False
-    """True when generation was cut by a length limit rather than ending by itself."""
+    """True when the episode was cut by the token budget or the context length."""
     timing: Timing = Field(default_factory=Timing)
     error: StageError | None = None
     turns: list[Turn] = Field(default_factory=list)

@@ -163,7 +163,7 @@ def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
 
 
 def cancel_jobs(svc: Services, job_ids: Sequence[str]) -> int:
-    """Cancel the live jobs among `job_ids`: record them cancelled, revoke their tasks, free backends.
+    """Cancel the live jobs among `job_ids`: record them cancelled, revoke tasks, free backends.
 
     Returns how many were cancelled by this call (finished jobs are left as they are).
     """

@@ -34,8 +34,15 @@ def create_celery(settings: Settings, broker_url: str) -> Celery:
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": settings.effective_visibility_timeout},
-        result_backend_transport_options={"visibility_timeout": settings.effective_visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": settings.effective_visibility_timeout,
+            # Sweep for tasks of dead workers every interval (kombu otherwise waits 10 sweeps).
+            "unacked_restore_interval": settings.redelivery_check_interval,
+            "unacked_restore_throttle": 1,
+        },
+        result_backend_transport_options={
+            "visibility_timeout": settings.effective_visibility_timeout
+        },
         broker_connection_retry_on_startup=True,
         result_expires=settings.result_expires,
         task_serializer="json",

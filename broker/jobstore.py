@@ -26,7 +26,23 @@ from api.schemas import (
 )
 
 # Upper bounds (seconds) of the stage-duration histogram buckets.
-STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+STAGE_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    1800.0,
+)
 _TERMINAL = ",".join(sorted(s.value for s in TERMINAL_STATUSES))
 
 # KEYS[1]=job hash KEYS[2]=status counts; ARGV: new status, now, terminal list
@@ -53,7 +69,8 @@ return 1
 
 # KEYS: 1 job, 2 trajectory, 3 counts, 4 done zset, 5 batch hash, 6 batch stream, 7 group hash,
 #       8 the job's wake-up list (waiters block on it)
-# ARGV: 1 status, 2 now, 3 trajectory json, 4 reward ('' if none), 5 ttl, 6 terminal list, 7 error json
+# ARGV: 1 status, 2 now, 3 trajectory json, 4 reward ('' if none), 5 ttl, 6 terminal list,
+#       7 error json
 _FINISH = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -280,7 +297,7 @@ class JobStore:
         return JobStatus(_s(raw))
 
     def trajectory(self, job_id: str) -> Trajectory:
-        """The stored trajectory (final, or the partial one so far), or a skeleton from the record."""
+        """The stored trajectory (final, or partial so far), or a skeleton from the record."""
         raw = self.r.get(self._traj(job_id))
         record = self.get(job_id)
         traj = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
@@ -333,7 +350,7 @@ class JobStore:
 
     def set_fields(self, job_id: str, **fields: Any) -> None:
         """Record side facts of a live job (backend, policy version, context)."""
-        mapping = {
+        mapping: dict[str | bytes, str | int | float] = {
             k: json.dumps(v) if isinstance(v, dict | list) else ("" if v is None else v)
             for k, v in fields.items()
         }

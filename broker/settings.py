@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+
 class Settings(BaseSettings):
     """rollserve configuration, read from ``ROLLSERVE_*`` environment variables."""
 
@@ -46,7 +47,9 @@ class Settings(BaseSettings):
     eval_time_limit: float = 660.0
     """Hard limit for EVAL."""
     visibility_timeout: float | None = None
-    """Seconds before Redis redelivers an unacknowledged task. Default: longest hard limit + 10 min."""
+    """Seconds until Redis redelivers an unacked task (default: longest hard limit + 600)."""
+    redelivery_check_interval: float = 10.0
+    """Seconds between a worker's sweeps for tasks past the visibility timeout to redeliver."""
     result_expires: int = 86400
     """Seconds Celery keeps task results; job records expire after `job_ttl`."""
     job_ttl: int = 7 * 86400
@@ -79,12 +82,24 @@ class Settings(BaseSettings):
                     f"ROLLSERVE_{stage.upper()}_SOFT_TIME_LIMIT ({soft}) must be below "
                     f"ROLLSERVE_{stage.upper()}_TIME_LIMIT ({hard})"
                 )
-        if self.visibility_timeout is not None and self.visibility_timeout <= self.longest_hard_limit:
+        if (
+            self.visibility_timeout is not None
+            and self.visibility_timeout <= self.longest_hard_limit
+        ):
             raise ValueError(
                 f"ROLLSERVE_VISIBILITY_TIMEOUT ({self.visibility_timeout}) must exceed the longest "
-                f"hard time limit ({self.longest_hard_limit}), or tasks are redelivered while they run"
+                f"hard time limit ({self.longest_hard_limit}), "
+                "or tasks are redelivered while they run"
             )
         return self
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as `ROLLSERVE_*` variables, for child processes to read back."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                env[f"ROLLSERVE_{name.upper()}"] = str(value)
+        return env
 
     @property
     def longest_hard_limit(self) -> float:
@@ -95,6 +110,7 @@ class Settings(BaseSettings):
         if self.visibility_timeout is not None:
             return self.visibility_timeout
         return self.longest_hard_limit + 600.0
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -54,7 +54,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     )
     if not args.backend or args.dev_backend:
         options.dev_backend = DevBackendOptions(
-            model_dir=args.model or settings.tiny_model_dir, script=args.script
+            model_dir=args.model or settings.tiny_model_dir,
+            script=args.script,
+            port=settings.dev_backend_port,
         )
     stopping = _stop_on_sigterm()
     stack = Stack(settings, options)
@@ -107,11 +109,16 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from rich.console import Console
 
     from api.client import RolloutServiceError
-    from deploy.submit import SubmitInputError, read_tasks, render_summary, submit_and_collect
+    from deploy.submit import (
+        SubmitInputError,
+        read_tasks_numbered,
+        render_summary,
+        submit_and_collect,
+    )
 
     console = Console(stderr=True)
     try:
-        tasks = read_tasks(args.tasks)
+        tasks, lines = read_tasks_numbered(args.tasks)
     except (SubmitInputError, OSError) as exc:
         console.print(f"[red]rollserve submit: {exc}[/red]")
         return 2
@@ -122,6 +129,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             summary = submit_and_collect(
                 client, tasks, group_size=args.group_size, out=args.out,
                 sampling=sampling or None, agent=agent, console=console,
+                line_numbers=lines, source=str(args.tasks),
             )  # fmt: skip
     except (RolloutServiceError, SubmitInputError) as exc:
         console.print(f"[red]rollserve submit: {exc}[/red]")
@@ -164,7 +172,10 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 
     for path in (args.tasks, args.script):
         if not path.exists():
-            print(f"rollserve demo: {path} not found (run it from the repository root)", file=sys.stderr)
+            print(
+                f"rollserve demo: {path} not found (run it from the repository root)",
+                file=sys.stderr,
+            )
             return 2
     tasks = read_tasks(args.tasks)
     console = Console()
@@ -214,9 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run the whole stack on this machine (Ctrl-C stops it)")
-    up.add_argument("--port", type=int, default=None, help="gateway port (default ROLLSERVE_PORT)")
-    up.add_argument("--backend", type=_parse_backend, action="append", metavar="URL=MODEL[:kind]",
-                    help="register a real vLLM/SGLang server (repeatable); no dev backend then")  # fmt: skip
+    up.add_argument("--port", type=int, default=None, help="gateway port (ROLLSERVE_PORT)")
+    up.add_argument(
+        "--backend",
+        type=_parse_backend,
+        action="append",
+        metavar="URL=MODEL",
+        help="register a real vLLM server (repeatable); no dev backend then",
+    )
     up.add_argument("--dev-backend", action="store_true", help="also start the development server")
     up.add_argument("--model", type=Path, default=None, help="model dir for the development server")
     up.add_argument("--script", type=Path, default=None, help="scripted completions (JSONL)")
@@ -230,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("queue", choices=QUEUES)
     worker.add_argument("--concurrency", type=int, default=None)
     worker.add_argument("--autoscale", default=None, metavar="MAX,MIN")
-    worker.add_argument("--hostname", default=None, help="Celery node name (default QUEUE-PID@host)")
+    worker.add_argument(
+        "--hostname", default=None, help="Celery node name (default QUEUE-PID@host)"
+    )
     worker.add_argument("--loglevel", default="INFO")
 
     gateway = sub.add_parser("gateway", help="the REST gateway alone")

@@ -106,13 +106,17 @@ class Stack:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ parts
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(self.settings.as_env())
         env.update(self.options.env)
         env["ROLLSERVE_REDIS_URL"] = self.redis_url
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -138,7 +142,13 @@ class Stack:
         wait_for_port("127.0.0.1", port, 180, proc)
         self.dev_backend_url = f"http://127.0.0.1:{port}"
         self.options.backends.insert(
-            0, {"url": self.dev_backend_url, "model": opts.model_dir.name, "kind": "vllm", "id": "dev"}
+            0,
+            {
+                "url": self.dev_backend_url,
+                "model": opts.model_dir.name,
+                "kind": "vllm",
+                "id": "dev",
+            },
         )
 
     def start_worker(self, queue: str, concurrency: int, name: str | None = None) -> str:

@@ -42,3 +42,11 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def work_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen3 with the real Qwen vocabulary, built once per test session."""
+    from routing.devserver.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")

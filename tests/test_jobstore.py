@@ -48,7 +48,12 @@ def test_created_jobs_are_queued_and_counted(store: JobStore) -> None:
     assert all(store.status(s.job_id) is JobStatus.queued for s in specs)
     assert store.status_counts()["queued"] == 4
     progress = store.batch_progress("b1")
-    assert (progress.total, progress.groups_total, progress.finished, progress.done) == (4, 2, 0, False)
+    assert (progress.total, progress.groups_total, progress.finished, progress.done) == (
+        4,
+        2,
+        0,
+        False,
+    )
 
 
 def test_transition_records_first_entry_time_and_moves_counts(store: JobStore) -> None:
@@ -103,7 +108,9 @@ def test_finish_without_trajectory_keeps_the_partial_one(store: JobStore) -> Non
     partial.loss_mask = [1, 1]
     partial.logprobs = [-0.1, -0.2]
     assert store.save_partial(spec.job_id, partial)
-    store.finish(spec.job_id, JobStatus.timed_out, error=StageError(stage="run", type="timeout", message="x"))
+    store.finish(
+        spec.job_id, JobStatus.timed_out, error=StageError(stage="run", type="timeout", message="x")
+    )
     final = store.trajectory(spec.job_id)
     assert final.status is JobStatus.timed_out
     assert final.response_ids == [5, 6]
@@ -115,7 +122,9 @@ def test_group_counts_as_finished_when_all_its_samples_are(store: JobStore) -> N
     for spec in specs[:3]:
         store.finish(spec.job_id, JobStatus.completed, with_reward(store, spec.job_id, 0.5))
     assert store.batch_progress("b1").groups_finished == 1
-    store.finish(specs[3].job_id, JobStatus.failed, error=StageError(stage="run", type="X", message="y"))
+    store.finish(
+        specs[3].job_id, JobStatus.failed, error=StageError(stage="run", type="X", message="y")
+    )
     progress = store.batch_progress("b1")
     assert (progress.groups_finished, progress.done) == (2, True)
     assert progress.counts == {"completed": 3, "failed": 1, "pending": 0}
@@ -142,7 +151,8 @@ def test_wait_wakes_when_the_job_finishes(store: JobStore) -> None:
     [spec] = make_specs(1, 1, batch_id=None)
     store.create_jobs([spec])
     timer = threading.Timer(
-        0.2, lambda: store.finish(spec.job_id, JobStatus.completed, with_reward(store, spec.job_id, 1))
+        0.2,
+        lambda: store.finish(spec.job_id, JobStatus.completed, with_reward(store, spec.job_id, 1)),
     )
     timer.start()
     assert store.wait(spec.job_id, timeout=30) is JobStatus.completed

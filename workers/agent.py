@@ -70,10 +70,11 @@ async def run_episode(
     limits: Limits,
     on_turn: Callable[[TrajectoryBuilder], None] = lambda _b: None,
 ) -> Episode:
-    """Run the multi-turn loop until an answer, `max_turns`, the token budget or the context ends it.
+    """Run the multi-turn loop until an answer, `max_turns`, the budget or the context ends it.
 
     `stop_reason` says which: `answer` (or the handler's own reason), `max_turns`,
-    `token_budget`, `context_length`, or `max_tokens` (one call hit its per-call limit).
+    `token_budget` or `context_length`. A call cut by its per-call `max_tokens` is handed to
+    the handler like any other turn.
     `on_turn` sees the builder after every turn, so a partial trajectory can be saved.
     """
     prompt = await templater.prompt_ids(messages, tools)
@@ -110,11 +111,12 @@ async def run_episode(
         on_turn(builder)
 
         if completion.finish_reason == "length":
-            if max_tokens == room:
+            # A call cut by its own max_tokens is one truncated turn; the episode goes on.
+            # Cut by the job's budget or the context, nothing more fits.
+            if max_tokens == room and room < limits.max_tokens:
                 return Episode(builder, "context_length", truncated=True)
             if max_tokens == budget_left and budget_left < limits.max_tokens:
                 return Episode(builder, "token_budget", truncated=True)
-            return Episode(builder, "max_tokens", truncated=True)
 
         step_started = time.perf_counter()
         step = handler.step(task, completion.text, turn)

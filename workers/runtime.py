@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
+from routing.chat import ChatTemplater
 
 from api.schemas import Backend, JobStatus, StageError
 from broker.jobstore import JobStore
 from broker.settings import Settings, get_settings
-from routing.chat import ChatTemplater
 from routing.pool import BackendPool
 from routing.vllm import VLLMClient
 
@@ -33,13 +33,13 @@ class Runtime:
     _clients: dict[str, tuple[str, VLLMClient, ChatTemplater]] = field(default_factory=dict)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on this process's event loop; a loop left broken by an interrupt is replaced."""
+        """Run `coro` on this process's event loop; one broken by an interrupt is replaced."""
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
         try:
             return self._loop.run_until_complete(coro)
         except BaseException:
-            # A time limit raised mid-await leaves tasks and sockets pending: start afresh next time.
+            # A time limit raised mid-await leaves tasks and sockets pending: start afresh.
             self._discard_loop()
             raise
 
@@ -59,7 +59,7 @@ class Runtime:
         return cached[1], cached[2]
 
     def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
-        """Finish a job that will not complete (keeping its partial trajectory) and free its backend."""
+        """End a job that will not complete (keeping its partial trajectory); free its backend."""
         try:
             return self.store.finish(job_id, status, error=error)
         finally:

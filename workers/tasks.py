@@ -26,14 +26,18 @@ def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, st
     try:
         proceed = fn(rt, job_id)
     except JobNotFound:
-        log.warning("job %s is not in the store (expired or deleted); dropping its %s", job_id, stage)
+        log.warning(
+            "job %s is not in the store (expired or deleted); dropping its %s", job_id, stage
+        )
         proceed = False
     except SoftTimeLimitExceeded:
         limit = getattr(rt.settings, f"{stage}_soft_time_limit")
         rt.end_job(
             job_id,
             JobStatus.timed_out,
-            StageError(stage=stage, type="timeout", message=f"{stage} ran past its {limit:g}s limit"),
+            StageError(
+                stage=stage, type="timeout", message=f"{stage} ran past its {limit:g}s limit"
+            ),
         )
         proceed = False
     except Exception as exc:

@@ -68,7 +68,9 @@ class TrajectoryBuilder:
         self.llm_seconds += llm_seconds
         return turn
 
-    def add_env_turn(self, observation_ids: list[int], text: str, tool_seconds: float = 0.0) -> EnvTurn:
+    def add_env_turn(
+        self, observation_ids: list[int], text: str, tool_seconds: float = 0.0
+    ) -> EnvTurn:
         turn = EnvTurn(observation_ids=list(observation_ids), text=text, tool_seconds=tool_seconds)
         self.turns.append(turn)
         self._pending_prompt = self._pending_prompt + list(observation_ids)

@@ -20,7 +20,9 @@ def check_reachable(spec: BackendSpec, timeout: float = 5.0) -> None:
         answer.raise_for_status()
         served = [m.get("id") for m in answer.json().get("data", [])]
     except (httpx.HTTPError, ValueError) as exc:
-        raise RequestError(422, f"backend {spec.url} did not answer GET /v1/models: {exc}", ["body", "url"]) from None
+        raise RequestError(
+            422, f"backend {spec.url} did not answer GET /v1/models: {exc}", ["body", "url"]
+        ) from None
     if served and spec.model not in served:
         raise RequestError(
             422, f"backend {spec.url} serves {served}, not {spec.model!r}", ["body", "model"]
@@ -33,6 +35,12 @@ def register(
     verify: bool = Query(True, description="check that the server answers and serves the model"),
     svc: Services = Depends(services),
 ) -> Backend:
+    if spec.kind == "sglang":
+        raise RequestError(
+            422,
+            "SGLang backends are not supported in this version; serve the model with vLLM",
+            ["body", "kind"],
+        )
     if verify:
         check_reachable(spec)
     return svc.pool.register(spec)

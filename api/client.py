@@ -1,0 +1,527 @@
+"""The Python client of the rollserve gateway, for trainers: sync and async, same methods.
+
+    from api.client import RolloutClient
+
+    with RolloutClient() as client:                 # ROLLSERVE_URL, ROLLSERVE_API_TOKEN
+        batch = client.submit_batch(tasks, group_size=8, sampling={"temperature": 1.0})
+        for trajectory in client.iter_batch_results(batch.batch_id):
+            ...  # trajectory.response_ids, .loss_mask, .logprobs, .reward
+
+Every answer is parsed into the models of `api.schemas`. Every failure, an HTTP error status
+or an unreachable gateway, is raised as `RolloutServiceError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from api.schemas import (
+    AgentParams,
+    Backend,
+    BatchAccepted,
+    BatchProgress,
+    Health,
+    SamplingParams,
+    Stats,
+    Task,
+    Trajectory,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8600"
+
+M = TypeVar("M", bound=BaseModel)
+
+SamplingLike = Mapping[str, Any] | SamplingParams | None
+AgentLike = Mapping[str, Any] | AgentParams | None
+TaskLike = Mapping[str, Any] | Task
+
+
+class RolloutServiceError(RuntimeError):
+    """The gateway answered with an error status, or could not be reached.
+
+    ``status_code`` is the HTTP status, or None when no answer came (connection refused,
+    timeout, a stream cut short). ``detail`` is FastAPI's ``detail`` as sent (a string, or for
+    a 422 a list of ``{"loc", "msg", ...}``); ``str(error)`` is a readable one-line message.
+    """
+
+    def __init__(self, status_code: int | None, detail: Any, message: str | None = None) -> None:
+        self.status_code = status_code
+        self.detail = detail
+        super().__init__(message or _error_message(status_code, detail))
+
+
+def format_loc(loc: Any) -> str:
+    """A pydantic error location as a dotted field path, without FastAPI's ``body`` prefix."""
+    if isinstance(loc, str):
+        return loc
+    if not isinstance(loc, Sequence):
+        return str(loc)
+    parts = [str(p) for p in loc]
+    if len(parts) > 1 and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def detail_items(detail: Any) -> list[tuple[str, str]]:
+    """A 422 ``detail`` as (field path, message) pairs; other details as one ("", text) pair."""
+    if isinstance(detail, list):
+        items = []
+        for entry in detail:
+            if isinstance(entry, Mapping):
+                items.append((format_loc(entry.get("loc", ())), str(entry.get("msg", entry))))
+            else:
+                items.append(("", str(entry)))
+        return items
+    if isinstance(detail, str):
+        return [("", detail)]
+    return [("", json.dumps(detail, default=str))]
+
+
+def render_detail(detail: Any) -> str:
+    """FastAPI's ``detail`` as text; a validation list becomes ``field.path: msg; ...``."""
+    return "; ".join(f"{path}: {msg}" if path else msg for path, msg in detail_items(detail))
+
+
+def _error_message(status_code: int | None, detail: Any) -> str:
+    text = render_detail(detail)
+    if status_code is None:
+        return text
+    if status_code == 401:
+        hint = " (set ROLLSERVE_API_TOKEN to the gateway's token)"
+        return f"HTTP 401: {text}{hint}"
+    return f"HTTP {status_code}: {text}"
+
+
+def _error_from_response(response: httpx.Response) -> RolloutServiceError:
+    """The error for a non-2xx answer; the body must have been read."""
+    try:
+        body = response.json()
+    except (ValueError, UnicodeDecodeError):
+        body = None
+    if isinstance(body, Mapping) and "detail" in body:
+        detail = body["detail"]
+    elif response.text:
+        detail = response.text.strip()
+    else:
+        detail = response.reason_phrase or "error"
+    return RolloutServiceError(response.status_code, detail)
+
+
+def _transport_error(url: str, exc: httpx.TransportError) -> RolloutServiceError:
+    if isinstance(exc, httpx.ConnectError):
+        message = (
+            f"the rollserve gateway at {url} is not reachable ({exc or 'connection refused'}); "
+            "start one with `rollserve up`, or point ROLLSERVE_URL (or --url) at a running gateway"
+        )
+    elif isinstance(exc, httpx.TimeoutException):
+        message = f"no answer from the rollserve gateway at {url} in time ({type(exc).__name__})"
+    else:
+        message = f"talking to the rollserve gateway at {url} failed: {type(exc).__name__}: {exc}"
+    return RolloutServiceError(None, message, message)
+
+
+def _dump(value: BaseModel | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A request part as JSON-ready data; dicts pass through for the server to validate."""
+    if value is None:
+        return None
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_none=True)
+    return dict(value)
+
+
+def _parse(model: type[M], response: httpx.Response) -> M:
+    try:
+        return model.model_validate(response.json())
+    except (ValueError, ValidationError) as exc:
+        raise RolloutServiceError(
+            response.status_code,
+            f"unexpected answer from {response.request.url.path}: {exc}",
+        ) from exc
+
+
+def _parse_backends(response: httpx.Response) -> list[Backend]:
+    data = response.json()
+    # A bare list, or an object wrapping it; both are accepted.
+    if isinstance(data, Mapping):
+        data = data.get("backends", [])
+    return [Backend.model_validate(item) for item in data]
+
+
+def _result_line(line: str, status_code: int) -> Trajectory | None:
+    """One NDJSON line of a results stream; None for a keep-alive blank line."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise RolloutServiceError(status_code, f"malformed line in results stream: {exc}") from exc
+    if isinstance(data, Mapping) and "detail" in data and "job_id" not in data:
+        # The server reports a failure that happened after the stream began.
+        raise RolloutServiceError(status_code, data["detail"])
+    return Trajectory.model_validate(data)
+
+
+def _rollout_body(task: TaskLike, sampling: SamplingLike, agent: AgentLike) -> dict[str, Any]:
+    body: dict[str, Any] = {"task": _dump(task)}
+    if sampling is not None:
+        body["sampling"] = _dump(sampling)
+    if agent is not None:
+        body["agent"] = _dump(agent)
+    return body
+
+
+def _batch_body(
+    tasks: Sequence[TaskLike], group_size: int, sampling: SamplingLike, agent: AgentLike
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"tasks": [_dump(t) for t in tasks], "group_size": group_size}
+    if sampling is not None:
+        body["sampling"] = _dump(sampling)
+    if agent is not None:
+        body["agent"] = _dump(agent)
+    return body
+
+
+def _backend_body(
+    url: str, model: str, kind: str, id: str | None, policy_version: int | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"url": url, "model": model, "kind": kind}
+    if id is not None:
+        body["id"] = id
+    if policy_version is not None:
+        body["policy_version"] = policy_version
+    return body
+
+
+def _wait_params(wait: bool, timeout: float | None) -> dict[str, str]:
+    params: dict[str, str] = {}
+    if wait:
+        params["wait"] = "true"
+        if timeout is not None:
+            params["timeout"] = repr(float(timeout))
+    return params
+
+
+def _submitted(response: httpx.Response) -> str | Trajectory:
+    """202 carries ``{"job_id"}``; 200 carries the finished trajectory (``?wait=true``)."""
+    data = response.json()
+    if response.status_code == 202 or (isinstance(data, Mapping) and set(data) == {"job_id"}):
+        return str(data["job_id"])
+    return _parse(Trajectory, response)
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")
+
+
+class _Base:
+    def __init__(self, url: str | None, token: str | None, timeout: float) -> None:
+        self.url = (url or os.environ.get("ROLLSERVE_URL") or DEFAULT_URL).rstrip("/")
+        token = token if token is not None else os.environ.get("ROLLSERVE_API_TOKEN")
+        self.timeout = timeout
+        self._headers = {"Accept": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+
+    def _wait_timeout(self, wait: bool, timeout: float | None) -> httpx.Timeout:
+        if not wait:
+            return httpx.Timeout(self.timeout)
+        # The server holds the request up to `timeout` (or its own cap when None).
+        read = None if timeout is None else float(timeout) + self.timeout
+        return httpx.Timeout(self.timeout, read=read)
+
+    def _stream_timeout(self) -> httpx.Timeout:
+        # A batch may run for hours; keep-alive lines arrive but no read deadline applies.
+        return httpx.Timeout(self.timeout, read=None)
+
+
+class RolloutClient(_Base):
+    """Blocking client of the gateway. Use as a context manager, or call ``close()``.
+
+    ``url`` defaults to ``$ROLLSERVE_URL`` (else http://127.0.0.1:8600), ``token`` to
+    ``$ROLLSERVE_API_TOKEN``; ``timeout`` is the per-request limit in seconds.
+    """
+
+    def __init__(
+        self, url: str | None = None, token: str | None = None, timeout: float = 60.0
+    ) -> None:
+        super().__init__(url, token, timeout)
+        self._http = httpx.Client(
+            base_url=self.url, headers=self._headers, timeout=httpx.Timeout(timeout)
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _transport_error(self.url, exc) from exc
+        if response.is_error:
+            raise _error_from_response(response)
+        return response
+
+    def health(self) -> Health:
+        """``GET /healthz``."""
+        return _parse(Health, self._request("GET", "/healthz"))
+
+    def stats(self) -> Stats:
+        """``GET /v1/stats``: queue depths, busy stages, workers, backends, throughput."""
+        return _parse(Stats, self._request("GET", "/v1/stats"))
+
+    def submit_rollout(
+        self,
+        task: TaskLike,
+        sampling: SamplingLike = None,
+        agent: AgentLike = None,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> str | Trajectory:
+        """Start one job; returns its id.
+
+        With ``wait=True`` the gateway holds the request until the job finishes (at most
+        ``timeout`` seconds, or its own cap) and the finished Trajectory is returned; if the
+        job is still running then, its id is returned instead.
+        """
+        response = self._request(
+            "POST",
+            "/v1/rollouts",
+            json=_rollout_body(task, sampling, agent),
+            params=_wait_params(wait, timeout),
+            timeout=self._wait_timeout(wait, timeout),
+        )
+        return _submitted(response)
+
+    def get_rollout(self, job_id: str) -> Trajectory:
+        """``GET /v1/rollouts/{job_id}``: the trajectory so far (final once terminal)."""
+        return _parse(Trajectory, self._request("GET", f"/v1/rollouts/{_seg(job_id)}"))
+
+    def cancel_rollout(self, job_id: str) -> Trajectory:
+        """``DELETE /v1/rollouts/{job_id}``: cancel the job; returns it as it stands."""
+        return _parse(Trajectory, self._request("DELETE", f"/v1/rollouts/{_seg(job_id)}"))
+
+    def submit_batch(
+        self,
+        tasks: Sequence[TaskLike],
+        group_size: int = 1,
+        sampling: SamplingLike = None,
+        agent: AgentLike = None,
+    ) -> BatchAccepted:
+        """``POST /v1/batches``: every task becomes ``group_size`` jobs; returns their ids."""
+        response = self._request(
+            "POST", "/v1/batches", json=_batch_body(tasks, group_size, sampling, agent)
+        )
+        return _parse(BatchAccepted, response)
+
+    def batch_progress(self, batch_id: str) -> BatchProgress:
+        """``GET /v1/batches/{batch_id}``."""
+        return _parse(BatchProgress, self._request("GET", f"/v1/batches/{_seg(batch_id)}"))
+
+    def iter_batch_results(self, batch_id: str) -> Iterator[Trajectory]:
+        """Finished trajectories of the batch as the gateway streams them (NDJSON).
+
+        The iterator ends when the gateway closes the stream (the batch is done). There is no
+        read deadline while streaming; blank keep-alive lines are skipped.
+        """
+        path = f"/v1/batches/{_seg(batch_id)}/results"
+        try:
+            with self._http.stream(
+                "GET",
+                path,
+                headers={"Accept": "application/x-ndjson"},
+                timeout=self._stream_timeout(),
+            ) as response:
+                if response.is_error:
+                    response.read()
+                    raise _error_from_response(response)
+                for line in response.iter_lines():
+                    trajectory = _result_line(line, response.status_code)
+                    if trajectory is not None:
+                        yield trajectory
+        except httpx.TransportError as exc:
+            raise _transport_error(self.url, exc) from exc
+
+    def cancel_batch(self, batch_id: str) -> BatchProgress:
+        """``DELETE /v1/batches/{batch_id}``: cancel its unfinished jobs; returns the progress."""
+        return _parse(BatchProgress, self._request("DELETE", f"/v1/batches/{_seg(batch_id)}"))
+
+    def register_backend(
+        self,
+        url: str,
+        model: str,
+        kind: str = "vllm",
+        id: str | None = None,
+        policy_version: int | None = None,
+        verify: bool = True,
+    ) -> Backend:
+        """``POST /v1/backends``: add (or update) an inference server.
+
+        The gateway checks that the server answers and serves ``model`` unless ``verify`` is
+        False (for a server that is still starting).
+        """
+        body = _backend_body(url, model, kind, id, policy_version)
+        params = {} if verify else {"verify": "false"}
+        return _parse(Backend, self._request("POST", "/v1/backends", json=body, params=params))
+
+    def list_backends(self) -> list[Backend]:
+        """``GET /v1/backends``, with each backend's in-flight count."""
+        return _parse_backends(self._request("GET", "/v1/backends"))
+
+    def remove_backend(self, backend_id: str) -> None:
+        """``DELETE /v1/backends/{backend_id}``."""
+        self._request("DELETE", f"/v1/backends/{_seg(backend_id)}")
+
+
+class AsyncRolloutClient(_Base):
+    """The same client for asyncio code: every method is a coroutine, and
+    ``iter_batch_results`` an async iterator. Use ``async with``, or ``await aclose()``.
+    """
+
+    def __init__(
+        self, url: str | None = None, token: str | None = None, timeout: float = 60.0
+    ) -> None:
+        super().__init__(url, token, timeout)
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=self._headers, timeout=httpx.Timeout(timeout)
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _transport_error(self.url, exc) from exc
+        if response.is_error:
+            raise _error_from_response(response)
+        return response
+
+    async def health(self) -> Health:
+        """``GET /healthz``."""
+        return _parse(Health, await self._request("GET", "/healthz"))
+
+    async def stats(self) -> Stats:
+        """``GET /v1/stats``."""
+        return _parse(Stats, await self._request("GET", "/v1/stats"))
+
+    async def submit_rollout(
+        self,
+        task: TaskLike,
+        sampling: SamplingLike = None,
+        agent: AgentLike = None,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> str | Trajectory:
+        """As `RolloutClient.submit_rollout`."""
+        response = await self._request(
+            "POST",
+            "/v1/rollouts",
+            json=_rollout_body(task, sampling, agent),
+            params=_wait_params(wait, timeout),
+            timeout=self._wait_timeout(wait, timeout),
+        )
+        return _submitted(response)
+
+    async def get_rollout(self, job_id: str) -> Trajectory:
+        """``GET /v1/rollouts/{job_id}``."""
+        return _parse(Trajectory, await self._request("GET", f"/v1/rollouts/{_seg(job_id)}"))
+
+    async def cancel_rollout(self, job_id: str) -> Trajectory:
+        """``DELETE /v1/rollouts/{job_id}``."""
+        return _parse(Trajectory, await self._request("DELETE", f"/v1/rollouts/{_seg(job_id)}"))
+
+    async def submit_batch(
+        self,
+        tasks: Sequence[TaskLike],
+        group_size: int = 1,
+        sampling: SamplingLike = None,
+        agent: AgentLike = None,
+    ) -> BatchAccepted:
+        """``POST /v1/batches``."""
+        response = await self._request(
+            "POST", "/v1/batches", json=_batch_body(tasks, group_size, sampling, agent)
+        )
+        return _parse(BatchAccepted, response)
+
+    async def batch_progress(self, batch_id: str) -> BatchProgress:
+        """``GET /v1/batches/{batch_id}``."""
+        return _parse(BatchProgress, await self._request("GET", f"/v1/batches/{_seg(batch_id)}"))
+
+    async def iter_batch_results(self, batch_id: str) -> AsyncIterator[Trajectory]:
+        """As `RolloutClient.iter_batch_results`, asynchronously."""
+        path = f"/v1/batches/{_seg(batch_id)}/results"
+        try:
+            async with self._http.stream(
+                "GET",
+                path,
+                headers={"Accept": "application/x-ndjson"},
+                timeout=self._stream_timeout(),
+            ) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise _error_from_response(response)
+                async for line in response.aiter_lines():
+                    trajectory = _result_line(line, response.status_code)
+                    if trajectory is not None:
+                        yield trajectory
+        except httpx.TransportError as exc:
+            raise _transport_error(self.url, exc) from exc
+
+    async def cancel_batch(self, batch_id: str) -> BatchProgress:
+        """``DELETE /v1/batches/{batch_id}``."""
+        return _parse(BatchProgress, await self._request("DELETE", f"/v1/batches/{_seg(batch_id)}"))
+
+    async def register_backend(
+        self,
+        url: str,
+        model: str,
+        kind: str = "vllm",
+        id: str | None = None,
+        policy_version: int | None = None,
+        verify: bool = True,
+    ) -> Backend:
+        """``POST /v1/backends``; see `RolloutClient.register_backend`."""
+        body = _backend_body(url, model, kind, id, policy_version)
+        params = {} if verify else {"verify": "false"}
+        response = await self._request("POST", "/v1/backends", json=body, params=params)
+        return _parse(Backend, response)
+
+    async def list_backends(self) -> list[Backend]:
+        """``GET /v1/backends``."""
+        return _parse_backends(await self._request("GET", "/v1/backends"))
+
+    async def remove_backend(self, backend_id: str) -> None:
+        """``DELETE /v1/backends/{backend_id}``."""
+        await self._request("DELETE", f"/v1/backends/{_seg(backend_id)}")

@@ -1,0 +1,135 @@
+"""Per-job overhead of the pipeline and throughput against run-worker count.
+
+Overhead: submit → completed as the client sees it (`POST /v1/rollouts?wait=true`), minus the
+time the job spent in model calls, one job at a time, against the development server in
+script mode (an instant backend: canned text scored by the tiny model).
+
+Throughput: a batch through stacks with 1, 2 and 4 run-worker processes, with the backend
+answering each call after a fixed delay, as a GPU server would — run workers mostly wait on
+inference, which is what more of them should overlap.
+
+    .venv/bin/python bench/pipeline.py [--quick]
+
+The last line printed is one JSON object with every figure and the conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from api.client import RolloutClient
+from api.schemas import JobStatus, Trajectory
+from broker.processes import free_port
+from broker.settings import Settings
+from deploy.stack import DevBackendOptions, Stack, StackOptions
+from routing.devserver.tiny import make_tiny_model
+
+TASK = {"data_source": "math", "problem": "BENCH: What is 2+2?", "answer": "4"}
+SCRIPT = [{"match": "BENCH", "samples": [["2+2 = \\boxed{4}"]]}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def start(work: Path, model: Path, run_workers: int, delay: float) -> Stack:
+    script = work / "script.jsonl"
+    script.write_text("".join(json.dumps(e) + "\n" for e in SCRIPT))
+    settings = Settings(data_dir=work / f"stack-{run_workers}-{delay}", port=free_port())
+    options = StackOptions(
+        workers={"init": 2, "run": run_workers, "eval": 2},
+        dev_backend=DevBackendOptions(model_dir=model, script=script, delay=delay),
+    )
+    return Stack(settings, options).start()
+
+
+def measure_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
+    overheads: list[float] = []
+    totals: list[float] = []
+    for _ in range(3):  # warm up the workers' connections and template caches
+        client.submit_rollout(TASK, wait=True, timeout=60)
+    for _ in range(jobs):
+        started = time.perf_counter()
+        traj = client.submit_rollout(TASK, wait=True, timeout=60)
+        total = time.perf_counter() - started
+        assert isinstance(traj, Trajectory) and traj.status is JobStatus.completed, traj
+        totals.append(total)
+        overheads.append(total - traj.timing.llm)
+    return {
+        "overhead_p50_ms": 1000 * statistics.median(overheads),
+        "overhead_p99_ms": 1000 * percentile(overheads, 99),
+        "total_p50_ms": 1000 * statistics.median(totals),
+        "jobs": jobs,
+    }
+
+
+def measure_throughput(client: RolloutClient, jobs: int) -> float:
+    client.submit_rollout(TASK, wait=True, timeout=60)
+    started = time.perf_counter()
+    batch = client.submit_batch([TASK] * jobs, group_size=1)
+    done = list(client.iter_batch_results(batch.batch_id))
+    elapsed = time.perf_counter() - started
+    assert len(done) == jobs and all(t.status is JobStatus.completed for t in done)
+    return jobs / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer jobs (under about a minute)")
+    args = parser.parse_args()
+    overhead_jobs = 40 if args.quick else 200
+    batch_jobs = 24 if args.quick else 96
+    delay = 0.1
+    results: dict[str, Any] = {"bench": "pipeline", "quick": args.quick}
+
+    with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
+        work = Path(tmp)
+        model = make_tiny_model(work / "tiny-qwen3")
+        with start(work, model, 1, 0.0) as stack, RolloutClient(stack.gateway_url) as client:
+            results.update(measure_overhead(client, overhead_jobs))
+        rates: dict[int, float] = {}
+        for workers in (1, 2, 4):
+            with (
+                start(work, model, workers, delay) as stack,
+                RolloutClient(stack.gateway_url) as client,
+            ):
+                rates[workers] = measure_throughput(client, batch_jobs)
+
+    results["throughput_jobs_per_s"] = {str(k): round(v, 2) for k, v in rates.items()}
+    results["scaling_2_vs_1"] = round(rates[2] / rates[1], 2)
+    results["scaling_4_vs_1"] = round(rates[4] / rates[1], 2)
+    results["conditions"] = {
+        "backend": "development server, script mode (stand-in for vLLM)",
+        "backend_delay_s_for_throughput": delay,
+        "batch_jobs": batch_jobs,
+        "init_eval_workers": 2,
+        "cores": __import__("os").cpu_count(),
+    }
+
+    print(f"{'measure':<36}{'value':>12}")
+    print(f"{'overhead per job p50 (ms)':<36}{results['overhead_p50_ms']:>12.1f}")
+    print(f"{'overhead per job p99 (ms)':<36}{results['overhead_p99_ms']:>12.1f}")
+    print(f"{'submit→completed p50 (ms)':<36}{results['total_p50_ms']:>12.1f}")
+    for workers, rate in rates.items():
+        print(f"{f'jobs/s, {workers} run worker(s), {delay}s backend':<36}{rate:>12.2f}")
+    print(
+        f"{'scaling 2 vs 1 / 4 vs 1':<36}"
+        f"{results['scaling_2_vs_1']:>6} /{results['scaling_4_vs_1']:>5}"
+    )
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""What a task handler is: the contract between a task's `data_source` and the agent loop.
+
+A handler turns a task dict (as the trainer sent it) into the first chat messages, decides
+after every assistant turn whether the episode is over, and grades the finished episode.
+Handler instances are shared by every job of a worker process and may be called from several
+threads at once, so they keep no per-job state.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class TaskValidationError(ValueError):
+    """A task a handler cannot run; `field` names the offending field (dotted inside the task)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class StepResult:
+    """What the agent loop does after one assistant turn."""
+
+    done: bool
+    """The episode ends after this assistant turn."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat messages to append before the next model call (empty when `done`)."""
+    stop_reason: str | None = None
+    """Why the episode ended: "answer" when an answer was given."""
+
+
+@dataclass
+class Grade:
+    """The reward of a finished episode and how it was reached."""
+
+    reward: float
+    details: dict[str, Any]
+    """JSON-serialisable: the extracted answer, the gold answer, the method, the reason."""
+
+
+class Handler(ABC):
+    """One kind of task. Subclasses set `name` and implement the four abstract methods."""
+
+    name: ClassVar[str]
+    needs_sandbox: ClassVar[bool] = False
+
+    @abstractmethod
+    def validate(self, task: dict[str, Any]) -> None:
+        """Raise `TaskValidationError` naming the field if `task` cannot be run; else return."""
+
+    @abstractmethod
+    def initial_messages(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat messages the first model call sees (`task` has passed `validate`)."""
+
+    def tools(self, task: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Tool schemas (OpenAI function format) offered to the model; None for no tools."""
+        return None
+
+    @abstractmethod
+    def step(self, task: dict[str, Any], assistant_text: str, turn: int) -> StepResult:
+        """Decide what follows the assistant turn `assistant_text` (`turn` counts from 0)."""
+
+    @abstractmethod
+    def grade(self, task: dict[str, Any], assistant_texts: list[str]) -> Grade:
+        """Grade an episode from every assistant turn's text in order (possibly none)."""
+
+
+# ----------------------------------------------------------------------------- text helpers
+
+
+def visible_text(text: str) -> str:
+    """The part of an assistant turn outside its reasoning block.
+
+    Text after the last `</think>` when there is one; when a `<think>` block was opened and
+    never closed (the turn was cut off while reasoning), only the text before it.
+    """
+    close = text.rfind("</think>")
+    if close >= 0:
+        return text[close + len("</think>") :]
+    opened = text.find("<think>")
+    return text[:opened] if opened >= 0 else text
+
+
+@dataclass(frozen=True)
+class Boxed:
+    """One `\\boxed{...}` (or `\\fbox{...}`) in a text: where it starts and what it holds."""
+
+    start: int
+    content: str
+
+
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)\s*")
+
+
+def find_boxed(text: str) -> list[Boxed]:
+    """Every balanced `\\boxed{...}` / `\\fbox{...}` in `text`, in order of appearance.
+
+    Also accepts the brace-less form `\\boxed 5` (up to the next space or `$`). A box whose
+    braces never close is ignored.
+    """
+    found: list[Boxed] = []
+    for match in _BOX_COMMAND.finditer(text):
+        start, pos = match.start(), match.end()
+        if pos < len(text) and text[pos] == "{":
+            depth = 0
+            for end in range(pos, len(text)):
+                if text[end] == "{" and text[end - 1] != "\\":
+                    depth += 1
+                elif text[end] == "}" and text[end - 1] != "\\":
+                    depth -= 1
+                    if depth == 0:
+                        found.append(Boxed(start, text[pos + 1 : end].strip()))
+                        break
+        elif match.group().endswith(" "):
+            bare = re.match(r"[^\s$]+", text[pos:])
+            if bare:
+                found.append(Boxed(start, bare.group()))
+    return found
+
+
+def required_text(task: Mapping[str, Any], key: str) -> str:
+    """`task[key]` as a non-blank string, or a `TaskValidationError` naming `key`."""
+    if key not in task or task[key] is None:
+        raise TaskValidationError(key, "is required")
+    value = task[key]
+    if not isinstance(value, str):
+        raise TaskValidationError(key, f"must be a string, not {type(value).__name__}")
+    if not value.strip():
+        raise TaskValidationError(key, "must not be blank")
+    return value
