@@ -54,7 +54,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     )
     if not args.backend or args.dev_backend:
         options.dev_backend = DevBackendOptions(
-            model_dir=args.model or settings.tiny_model_dir,
+            model_dir=args.model,
             script=args.script,
             port=settings.dev_backend_port,
         )
@@ -180,7 +180,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     tasks = read_tasks(args.tasks)
     console = Console()
     options = StackOptions(
-        dev_backend=DevBackendOptions(model_dir=settings.tiny_model_dir, script=args.script),
+        dev_backend=DevBackendOptions(script=args.script),
         gateway_port=args.port or free_port(),
     )
     console.print(

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 class DevBackendOptions:
     """How to run the development inference server (a stand-in for vLLM)."""
 
-    model_dir: Path
+    model_dir: Path | None = None
+    """A Hugging Face model directory; None for the tiny model (made on first use)."""
     script: Path | None = None
     port: int | None = None
     delay: float = 0.0
@@ -130,7 +131,9 @@ class Stack:
 
     def _start_dev_backend(self, opts: DevBackendOptions) -> None:
         port = opts.port or free_port()
-        argv = [sys.executable, "-m", "deploy.cli", "dev-backend", "--model", str(opts.model_dir)]
+        argv = [sys.executable, "-m", "deploy.cli", "dev-backend"]
+        if opts.model_dir is not None:
+            argv += ["--model", str(opts.model_dir)]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         if opts.script is not None:
             argv += ["--script", str(opts.script)]
@@ -141,14 +144,9 @@ class Stack:
         # First start may build the tiny model (a few seconds) before it listens.
         wait_for_port("127.0.0.1", port, 180, proc)
         self.dev_backend_url = f"http://127.0.0.1:{port}"
+        model = (opts.model_dir or self.settings.tiny_model_dir).name
         self.options.backends.insert(
-            0,
-            {
-                "url": self.dev_backend_url,
-                "model": opts.model_dir.name,
-                "kind": "vllm",
-                "id": "dev",
-            },
+            0, {"url": self.dev_backend_url, "model": model, "kind": "vllm", "id": "dev"}
         )
 
     def start_worker(self, queue: str, concurrency: int, name: str | None = None) -> str:

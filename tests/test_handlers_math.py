@@ -331,3 +331,9 @@ def test_time_limits_are_refused_off_the_main_thread() -> None:
     worker.start()
     worker.join()
     assert len(errors) == 1
+
+
+def test_end_of_turn_token_in_the_text_is_not_part_of_the_answer(handler: MathHandler) -> None:
+    # Backends asked to keep special tokens end the text with the chat template's <|im_end|>.
+    assert handler.grade(GSM8K, ["3 * 4 = 12\n#### 12<|im_end|>"]).reward == 1.0
+    assert handler.step(GSM8K, "#### 12<|im_end|>", 0).done

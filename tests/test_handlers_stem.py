@@ -265,3 +265,9 @@ def test_grade_details_are_json_serialisable(handler: StemHandler) -> None:
     for task, text in ((CHOICE, "Answer: B"), (SHORT, "Answer: Na")):
         details = handler.grade(task, [text]).details
         assert json.loads(json.dumps(details)) == details
+
+
+def test_end_of_turn_token_in_the_text_is_not_part_of_the_answer(handler: StemHandler) -> None:
+    # Backends asked to keep special tokens end the text with the chat template's <|im_end|>.
+    grade = handler.grade(SHORT, ["Sodium comes from natrium.\n\nAnswer: Na<|im_end|>"])
+    assert grade.reward == 1.0

@@ -75,12 +75,18 @@ class Handler(ABC):
 # ----------------------------------------------------------------------------- text helpers
 
 
+# Chat-template control tokens such as <|im_end|>: servers keep them in the text when asked
+# not to skip special tokens, and they are never part of an answer.
+_CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
 def visible_text(text: str) -> str:
-    """The part of an assistant turn outside its reasoning block.
+    """The part of an assistant turn outside its reasoning block, without control tokens.
 
     Text after the last `</think>` when there is one; when a `<think>` block was opened and
     never closed (the turn was cut off while reasoning), only the text before it.
     """
+    text = _CONTROL_TOKEN.sub("", text)
     close = text.rfind("</think>")
     if close >= 0:
         return text[close + len("</think>") :]
