@@ -51,7 +51,10 @@ def test_demo_trajectories_are_ready_for_the_loss(demo_output: Path) -> None:
         assert traj["status"] == "completed"
         n = len(traj["response_ids"])
         assert n > 0 and len(traj["loss_mask"]) == n and len(traj["logprobs"]) == n
-        assert all((lp is None) == (m == 0) for m, lp in zip(traj["loss_mask"], traj["logprobs"]))
+        assert all(
+            (lp is None) == (m == 0)
+            for m, lp in zip(traj["loss_mask"], traj["logprobs"], strict=True)
+        )
 
 
 def processes_mentioning(needle: str) -> list[int]:

@@ -54,7 +54,9 @@ def test_random_model_runs_every_turn_with_reminders_between(trajectory: Traject
     assert trajectory.reward == 0.0
 
 
-def test_each_turn_prompt_is_exactly_the_ids_appended_since_the_last(trajectory: Trajectory) -> None:
+def test_each_turn_prompt_is_exactly_the_ids_appended_since_the_last(
+    trajectory: Trajectory,
+) -> None:
     turns = trajectory.turns
     sequence: list[int] = []
     for index, turn in enumerate(turns):

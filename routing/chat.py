@@ -1,0 +1,149 @@
+"""Chat templating with token-in/token-out: history is never re-rendered.
+
+The first prompt is rendered by the served model's own chat template. After that the sequence
+only grows: the model's output ids are kept as generated, the assistant turn is closed with
+the template's own closing ids, and each new message (tool results, user turns) is rendered
+on its own and appended, followed by the generation prompt. The result continues exactly as
+the template would render `[..., assistant turn, *new messages]`, without ever tokenizing the
+history again (a template that rewrites earlier turns, like Qwen3's dropping of old
+reasoning, would otherwise fork the trajectory).
+
+Rendering goes through the backend's `/tokenize` with `messages`, so the worker needs no
+tokenizer and always uses the served model's template. The pieces needed to cut new
+messages out of a render are derived once per tool set from a dummy conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from routing.vllm import VLLMClient
+
+_DUMMY_TEXT = "."
+_DUMMY_USER = {"role": "user", "content": _DUMMY_TEXT}
+_DUMMY_ASSISTANT = {"role": "assistant", "content": _DUMMY_TEXT}
+
+
+class TemplateError(Exception):
+    """The chat template cannot be extended by appending ids (it breaks the prefix property)."""
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    prompt: list[int]
+    """[user "."] rendered with the generation prompt."""
+    content: list[int]
+    """The ids of "." on its own: the dummy assistant's content."""
+    closing: list[int]
+    """What the template puts after an assistant message's content to end its turn."""
+
+
+def _find(haystack: list[int], needle: list[int], start: int) -> int:
+    end = len(haystack) - len(needle)
+    for i in range(start, end + 1):
+        if haystack[i : i + len(needle)] == needle:
+            return i
+    return -1
+
+
+def _rfind(haystack: list[int], needle: list[int], start: int) -> int:
+    for i in range(len(haystack) - len(needle), start - 1, -1):
+        if haystack[i : i + len(needle)] == needle:
+            return i
+    return -1
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True, separators=(",", ":"))
+
+
+class ChatTemplater:
+    """Renders a conversation's first prompt and the ids that continue it, turn by turn."""
+
+    def __init__(self, client: VLLMClient) -> None:
+        self.client = client
+        self._pieces: dict[str, _Pieces] = {}
+
+    async def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The first prompt: `messages` rendered by the model's template, generation prompt on."""
+        return await self.client.tokenize_chat(messages, add_generation_prompt=True, tools=tools)
+
+    async def closing_ids(self, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ids that end an assistant turn after its content (for Qwen: `<|im_end|>\\n`)."""
+        return list((await self._derive(tools)).closing)
+
+    async def continuation_ids(
+        self,
+        last_output_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The ids to append after the model's last output to add `messages` and ask again.
+
+        They close the assistant turn (only what the output lacks of the template's closing:
+        for Qwen just "\\n" after an output that ended on `<|im_end|>`, the whole
+        `<|im_end|>\\n` after one cut by a stop string or the length limit), then render the
+        new messages as the template renders them after an assistant turn, then the
+        generation prompt. Raises TemplateError if the template renders the start of a
+        conversation differently once more messages follow it.
+        """
+        pieces = await self._derive(tools)
+        rendered = await self.client.tokenize_chat(
+            [_DUMMY_USER, _DUMMY_ASSISTANT, *messages], add_generation_prompt=True, tools=tools
+        )
+        if rendered[: len(pieces.prompt)] != pieces.prompt:
+            raise TemplateError(
+                "the chat template renders the start of a conversation differently when more "
+                "messages follow, so new messages cannot be appended as ids"
+            )
+        turn_end = pieces.content + pieces.closing
+        at = _find(rendered, turn_end, len(pieces.prompt))
+        if at < 0:
+            raise TemplateError(
+                "the chat template does not end an assistant turn the same way when more "
+                "messages follow it"
+            )
+        return self._close(last_output_ids, pieces.closing) + rendered[at + len(turn_end) :]
+
+    @staticmethod
+    def _close(output_ids: list[int], closing: list[int]) -> list[int]:
+        # The longest start of the closing that the output already ends with (typically the
+        # EOS it generated) is not repeated.
+        for kept in range(min(len(closing), len(output_ids)), 0, -1):
+            if output_ids[-kept:] == closing[:kept]:
+                return closing[kept:]
+        return list(closing)
+
+    async def _derive(self, tools: list[dict[str, Any]] | None) -> _Pieces:
+        key = _tools_key(tools)
+        cached = self._pieces.get(key)
+        if cached is not None:
+            return cached
+        prompt = await self.client.tokenize_chat(
+            [_DUMMY_USER], add_generation_prompt=True, tools=tools
+        )
+        turn = await self.client.tokenize_chat(
+            [_DUMMY_USER, _DUMMY_ASSISTANT], add_generation_prompt=False, tools=tools
+        )
+        content = await self.client.tokenize(_DUMMY_TEXT)
+        if turn[: len(prompt)] != prompt:
+            raise TemplateError(
+                "the chat template's generation prompt is not a prefix of the assistant turn "
+                "it renders, so the model's output ids cannot simply follow the prompt"
+            )
+        at = _rfind(turn, content, len(prompt))
+        if at < 0:
+            raise TemplateError(
+                "the chat template does not render an assistant message's content as its own "
+                "ids, so the turn boundary cannot be found"
+            )
+        closing = turn[at + len(content) :]
+        if not closing:
+            raise TemplateError("the chat template renders nothing to end an assistant turn")
+        pieces = _Pieces(prompt=prompt, content=content, closing=closing)
+        self._pieces[key] = pieces
+        return pieces

@@ -1,0 +1,140 @@
+"""Prometheus metrics of the development server, named and counted as vLLM's v1 engine does.
+
+The prefix-cache counters come from a block-level cache of token sequences like vLLM's
+automatic prefix caching: prompts are cut into blocks of 16 ids, each block is identified by
+a hash chained over everything before it, and a prompt hits on the longest run of leading
+blocks that an earlier sequence left in the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+BLOCK_SIZE = 16
+"""Ids per KV-cache block (vLLM's default block size)."""
+
+
+class PrefixCache:
+    """Which full blocks of earlier sequences are cached; least recently used ones go first."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE, capacity_blocks: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def _hashes(self, ids: list[int], n_blocks: int) -> list[int]:
+        hashes: list[int] = []
+        parent = 0
+        for b in range(n_blocks):
+            block = tuple(ids[b * self.block_size : (b + 1) * self.block_size])
+            parent = hash((parent, block))
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, prompt_ids: list[int]) -> int:
+        """Prompt ids served from the cache.
+
+        As in vLLM, the last prompt id is always computed, so at most the full blocks within
+        the first `len(prompt_ids) - 1` ids can hit.
+        """
+        hits = 0
+        for h in self._hashes(prompt_ids, max(0, len(prompt_ids) - 1) // self.block_size):
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            hits += self.block_size
+        return hits
+
+    def insert(self, ids: list[int]) -> None:
+        """Cache the full blocks of a sequence whose KV was computed."""
+        for h in self._hashes(ids, len(ids) // self.block_size):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+class ServerMetrics:
+    """The counters and gauges behind `GET /metrics`, in a registry of their own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self._labels = {"model_name": model_name, "engine": "0"}
+        self.prefix_cache = PrefixCache()
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            labels,
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            labels,
+            registry=self.registry,
+        )
+        for metric in (
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.running,
+            self.waiting,
+        ):
+            metric.labels(**self._labels)  # export zeros before the first request
+
+    def record_prompt(self, prompt_ids: list[int]) -> int:
+        """Count a scheduled prompt against the prefix cache; returns the cached ids."""
+        hits = self.prefix_cache.lookup(prompt_ids)
+        self.prefix_cache_queries.labels(**self._labels).inc(len(prompt_ids))
+        self.prefix_cache_hits.labels(**self._labels).inc(hits)
+        self.prompt_tokens.labels(**self._labels).inc(len(prompt_ids))
+        return hits
+
+    def record_finished(self, prompt_ids: list[int], output_ids: list[int], reason: str) -> None:
+        """Count a finished sequence and cache its blocks (all but the last id have KV)."""
+        self.prefix_cache.insert((prompt_ids + output_ids)[:-1])
+        self.generation_tokens.labels(**self._labels).inc(len(output_ids))
+        self.request_success.labels(**self._labels, finished_reason=reason).inc()
+
+    def gauge(self, name: str) -> Gauge:
+        """`running` or `waiting`, bound to this server's labels."""
+        metric = self.running if name == "running" else self.waiting
+        return metric.labels(**self._labels)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
