@@ -48,7 +48,10 @@ def create_celery(settings: Settings, broker_url: str) -> Celery:
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
-        task_track_started=True,
+        # Stage outcomes live in the job store; Celery's own result records would only add a
+        # Redis round trip per stage.
+        task_ignore_result=True,
+        task_track_started=False,
         task_send_sent_event=True,
         worker_send_task_events=True,
         worker_hijack_root_logger=False,

@@ -428,14 +428,19 @@ class JobStore:
 
     def wait(self, job_id: str, timeout: float) -> JobStatus:
         """Block until the job has finished or `timeout` seconds passed; returns its status."""
+        deadline = time.monotonic() + timeout
         status = self.status(job_id)
-        if status.terminal or timeout <= 0:
-            return status
-        woke = self.r.blpop([self._wake(job_id)], timeout=timeout)
-        if woke is not None:
-            # Put the token back so every other waiter on this job wakes too.
-            self.r.lpush(self._wake(job_id), woke[1])
-        return self.status(job_id)
+        while not status.terminal:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # Short blocks keep each call under the client's socket timeout.
+            woke = self.r.blpop([self._wake(job_id)], timeout=min(left, 1.0))
+            if woke is not None:
+                # Put the token back so every other waiter on this job wakes too.
+                self.r.lpush(self._wake(job_id), woke[1])
+            status = self.status(job_id)
+        return status
 
     # ------------------------------------------------------------------ batches
     def batch_exists(self, batch_id: str) -> bool:

@@ -6,6 +6,7 @@ real); every test talks to the gateway over HTTP with the Python client.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,9 @@ SCRIPT = [
     {"match": "TWO-TURNS", "samples": [["Let me think about 3 times 4 first.", "\\boxed{12}"]]},
     {"match": "SLOW-SEVEN", "samples": [["Slowly: \\boxed{7}"]], "delay": 3.0},
     {"match": "GLACIAL", "samples": [["\\boxed{1}"]], "delay": 30.0},
+    {"match": "REFUSED", "samples": [["\\boxed{2}"]], "errors": [400] * 100},
+    {"match": "FLAKY", "samples": [["\\boxed{9}"]], "errors": [503]},
+    {"match": "PATIENT", "samples": [["\\boxed{8}"]], "delay": 3.0},
 ]
 
 
@@ -39,6 +43,9 @@ FAST = math_task("FAST-ADD", "What is 2+2?", "4")
 TWO_TURNS = math_task("TWO-TURNS", "What is 3 times 4?", "12")
 SLOW = math_task("SLOW-SEVEN", "What is 3+4?", "7")
 GLACIAL = math_task("GLACIAL", "What is 0+1?", "1")
+REFUSED = math_task("REFUSED", "What is 1+1?", "2")
+FLAKY = math_task("FLAKY", "What is 4+5?", "9")
+PATIENT = math_task("PATIENT", "What is 4+4?", "8")
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +157,54 @@ def test_run_worker_killed_mid_job_still_completes_once(
     progress = client.batch_progress(accepted.batch_id)
     assert (progress.finished, progress.counts.get("completed")) == (1, 1)
     assert all(b.in_flight == 0 for b in client.list_backends())
+
+
+def test_a_failing_job_does_not_fail_its_batch(client: RolloutClient) -> None:
+    accepted = client.submit_batch([REFUSED, FAST], group_size=1, sampling={"seed": 0})
+    results = {t.instance_id: t for t in client.iter_batch_results(accepted.batch_id)}
+    refused, fast = results["refused"], results["fast-add"]
+    assert refused.status is JobStatus.failed
+    assert refused.error is not None
+    assert (refused.error.stage, refused.error.type) == ("run", "BackendError")
+    assert refused.reward is None
+    assert fast.status is JobStatus.completed and fast.reward == 1.0
+    progress = client.batch_progress(accepted.batch_id)
+    assert progress.done and progress.counts == {"completed": 1, "failed": 1, "pending": 0}
+    assert all(b.in_flight == 0 for b in client.list_backends())
+
+
+def test_a_transient_backend_error_is_retried(client: RolloutClient) -> None:
+    traj = client.submit_rollout(FLAKY, sampling={"seed": 0}, wait=True, timeout=60)
+    assert isinstance(traj, Trajectory)
+    assert traj.status is JobStatus.completed and traj.reward == 1.0
+
+
+def test_a_job_past_its_run_time_limit_is_timed_out_with_its_backend_freed(
+    client: RolloutClient,
+) -> None:
+    traj = client.submit_rollout(GLACIAL, sampling={"seed": 0}, wait=True, timeout=60)
+    assert isinstance(traj, Trajectory)
+    assert traj.status is JobStatus.timed_out
+    assert traj.error is not None and (traj.error.stage, traj.error.type) == ("run", "timeout")
+    assert traj.timing.run is None or traj.timing.run < 30
+    assert all(b.in_flight == 0 for b in client.list_backends())
+
+
+def pool_processes(worker_pid: int) -> list[int]:
+    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def test_killed_pool_process_is_replaced_and_its_job_requeued(
+    client: RolloutClient, stack: Stack
+) -> None:
+    accepted = client.submit_batch([PATIENT], group_size=1, sampling={"seed": 0})
+    [job_id] = accepted.jobs
+    wait_until(lambda: client.get_rollout(job_id).status is JobStatus.run, 30, "the job to run")
+    [run_worker] = [n for n in stack.worker_names if n.startswith("worker-run")]
+    for pid in pool_processes(stack.children[run_worker].pid):
+        os.kill(pid, signal.SIGKILL)
+    results = list(client.iter_batch_results(accepted.batch_id))
+    assert [(t.job_id, t.status, t.reward) for t in results] == [(job_id, JobStatus.completed, 1.0)]
+    r = redis.Redis.from_url(stack.redis_url)
+    assert r.xlen(f"rs:batch:{accepted.batch_id}:done") == 1
