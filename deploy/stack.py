@@ -68,6 +68,9 @@ class Stack:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Stack:
+        """Bring the stack up; a second call (e.g. `with` on a started stack) does nothing."""
+        if self.children or self.redis is not None:
+            return self
         try:
             self._start()
         except BaseException:

@@ -337,3 +337,18 @@ def test_end_of_turn_token_in_the_text_is_not_part_of_the_answer(handler: MathHa
     # Backends asked to keep special tokens end the text with the chat template's <|im_end|>.
     assert handler.grade(GSM8K, ["3 * 4 = 12\n#### 12<|im_end|>"]).reward == 1.0
     assert handler.step(GSM8K, "#### 12<|im_end|>", 0).done
+
+
+def test_warm_up_loads_the_checker_ahead_of_the_first_grade() -> None:
+    import subprocess
+    import sys
+
+    # A fresh interpreter: importing the handler is cheap, warming it loads math-verify.
+    probe = (
+        "import sys, workers.handlers.math as m\n"
+        "assert 'math_verify' not in sys.modules\n"
+        "m.MathHandler().warm_up()\n"
+        "assert 'math_verify' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from typing import Any
+
 from celery import Task, shared_task
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_init
 
 from api.schemas import JobStatus, StageError
 from broker.jobstore import JobNotFound
 from workers import stages
+from workers.handlers.registry import get_handler, known_handlers
 from workers.runtime import Runtime, get_runtime
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,16 @@ def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, st
         proceed = False
     if not proceed:
         task.request.chain = None
+
+
+@worker_init.connect
+def warm_handlers(**_: Any) -> None:
+    """Load every handler and what its grading needs once, before the pool forks."""
+    for name in known_handlers():
+        try:
+            get_handler(name).warm_up()
+        except Exception:
+            log.exception("warming up the %s handler failed; its first job will be slower", name)
 
 
 @shared_task(name="rollserve.init", bind=True)

@@ -63,6 +63,10 @@ class Handler(ABC):
         """Tool schemas (OpenAI function format) offered to the model; None for no tools."""
         return None
 
+    def warm_up(self) -> None:
+        """Load what grading needs ahead of the first job; a worker calls it once, before
+        its pool forks, so every pool process starts warm."""
+
     @abstractmethod
     def step(self, task: dict[str, Any], assistant_text: str, turn: int) -> StepResult:
         """Decide what follows the assistant turn `assistant_text` (`turn` counts from 0)."""

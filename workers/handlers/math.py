@@ -417,6 +417,11 @@ class MathHandler(Handler):
             {"role": "user", "content": problem_text(task)},
         ]
 
+    def warm_up(self) -> None:
+        """Import math-verify (and sympy behind it) and run one check, so the first grade of
+        every pool process is as fast as the rest."""
+        check_answer("1/2", "0.5", None)
+
     def step(self, task: dict[str, Any], assistant_text: str, turn: int) -> StepResult:
         """Done once the turn states a final answer; otherwise ask for one in `\\boxed{}`."""
         if find_final_answer(assistant_text) is not None:
