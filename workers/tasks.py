@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
 from typing import Any
 
 from celery import Task, shared_task
