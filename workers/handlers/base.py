@@ -66,6 +66,7 @@ class Handler(ABC):
     def warm_up(self) -> None:
         """Load what grading needs ahead of the first job; a worker calls it once, before
         its pool forks, so every pool process starts warm."""
+        return None
 
     @abstractmethod
     def step(self, task: dict[str, Any], assistant_text: str, turn: int) -> StepResult:
