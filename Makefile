@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/rollserve demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --no-cache --check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

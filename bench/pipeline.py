@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -24,15 +25,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import redis
 
 from api.client import RolloutClient
 from api.schemas import JobStatus, Trajectory
-from broker.processes import free_port
+from broker.embedded import EmbeddedRedis
+from broker.processes import free_port, spawn, stop_group
 from broker.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from routing.devserver.tiny import make_tiny_model
 
+HERE = Path(__file__).resolve().parent
 TASK = {"data_source": "math", "problem": "BENCH: What is 2+2?", "answer": "4"}
 SCRIPT = [{"match": "BENCH", "samples": [["2+2 = \\boxed{4}"]]}]
 
@@ -74,6 +77,35 @@ def measure_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
     }
 
 
+def measure_celery_floor(work: Path, runs: int) -> float:
+    """p50 seconds of a bare 3-hop Celery chain with the same settings and worker flags."""
+    with EmbeddedRedis(work / "floor-redis") as server:
+        env = dict(os.environ, FLOOR_REDIS_URL=server.url, PYTHONPATH=str(HERE))
+        argv = [sys.executable, "-m", "celery", "-A", "celery_floor", "worker", "-P", "prefork"]
+        argv += ["-c", "1", "-E", "--without-gossip", "--without-mingle", "--loglevel", "WARNING"]
+        workers = [
+            spawn(
+                [*argv, "-Q", queue, "-n", f"floor-{queue}@%h"],
+                env=env,
+                log_path=str(work / f"floor-{queue}.log"),
+            )
+            for queue in ("init", "run", "eval")
+        ]
+        try:
+            os.environ["FLOOR_REDIS_URL"] = server.url
+            import celery_floor  # beside this script, so on sys.path when it runs
+
+            client = redis.Redis.from_url(server.url)
+            deadline = time.monotonic() + 60
+            while len(celery_floor.app.control.ping(timeout=0.5)) < 3:
+                assert time.monotonic() < deadline, "floor workers did not start"
+            latencies = celery_floor.chain_latency(client, runs + 5)[5:]
+        finally:
+            for proc in workers:
+                stop_group(proc)
+    return statistics.median(latencies)
+
+
 def measure_throughput(client: RolloutClient, jobs: int, workers: int) -> float:
     # Warm every pool process (connections, template pieces) before the clock starts.
     warm = client.submit_batch([TASK] * (4 * workers), group_size=1)
@@ -98,6 +130,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
         work = Path(tmp)
         model = make_tiny_model(work / "tiny-qwen3")
+        floor = measure_celery_floor(work, overhead_jobs)
         with start(work, model, 1, 0.0) as stack, RolloutClient(stack.gateway_url) as client:
             results.update(measure_overhead(client, overhead_jobs))
         rates: dict[int, float] = {}
@@ -108,6 +141,8 @@ def main() -> int:
             ):
                 rates[workers] = measure_throughput(client, batch_jobs, workers)
 
+    results["celery_3hop_floor_p50_ms"] = 1000 * floor
+    results["overhead_vs_celery_floor"] = round(results["overhead_p50_ms"] / (1000 * floor), 2)
     results["throughput_jobs_per_s"] = {str(k): round(v, 2) for k, v in rates.items()}
     results["scaling_2_vs_1"] = round(rates[2] / rates[1], 2)
     results["scaling_4_vs_1"] = round(rates[4] / rates[1], 2)
@@ -123,6 +158,8 @@ def main() -> int:
     print(f"{'overhead per job p50 (ms)':<36}{results['overhead_p50_ms']:>12.1f}")
     print(f"{'overhead per job p99 (ms)':<36}{results['overhead_p99_ms']:>12.1f}")
     print(f"{'submit→completed p50 (ms)':<36}{results['total_p50_ms']:>12.1f}")
+    print(f"{'bare Celery 3-hop chain p50 (ms)':<36}{results['celery_3hop_floor_p50_ms']:>12.1f}")
+    print(f"{'overhead / Celery floor':<36}{results['overhead_vs_celery_floor']:>12.2f}")
     for workers, rate in rates.items():
         print(f"{f'jobs/s, {workers} run worker(s), {delay}s backend':<36}{rate:>12.2f}")
     print(

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
-from routing.chat import ChatTemplater
 
 from api.schemas import Backend, JobStatus, StageError
 from broker.jobstore import JobStore
 from broker.settings import Settings, get_settings
+from routing.chat import ChatTemplater
 from routing.pool import BackendPool
 from routing.vllm import VLLMClient
 
