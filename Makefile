@@ -6,7 +6,21 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test lint typecheck unit bench bench-quick install system-deps clean
 
-install: $(STAMP)
+install: $(STAMP) system-deps
+
+# bubblewrap runs the sandboxes; tmux is the baseline of bench/tools.py. Installed when
+# missing and we are root; otherwise the tests that need them skip and say why.
+system-deps:
+	@missing=""; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null \
+	      || echo "could not install$$missing: sandbox tests will skip"; \
+	  else echo "missing$$missing (apt-get install$$missing): sandbox tests will skip"; fi; \
+	fi
 
 # torch is installed first and pinned: pip then never reaches for a CUDA build.
 $(STAMP): pyproject.toml
@@ -16,25 +30,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[model,dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: install
 	$(VENV)/bin/rollserve demo
 
-lint: $(STAMP)
+lint: install
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --no-cache --check .
 
-typecheck: $(STAMP)
+typecheck: install
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck unit
 
-bench: $(STAMP)
+bench: install
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
-bench-quick: $(STAMP)
+bench-quick: install
 	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
 
 clean:
