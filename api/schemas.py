@@ -217,9 +217,13 @@ class Trajectory(BaseModel):
     policy_version: int | None = None
     backend_id: str | None = None
     stop_reason: str | None = None
-    """`answer`, `max_turns`, `token_budget` or `context_length`."""
+    """`answer`, `finish`, `max_turns`, `token_budget` or `context_length`."""
     truncated: bool = False
     """True when the episode was cut by the token budget or the context length."""
+    tool_calls: int = 0
+    """Well-formed tool calls the model made."""
+    malformed_tool_calls: int = 0
+    """Tool calls that could not be parsed (each got an error message back)."""
     timing: Timing = Field(default_factory=Timing)
     error: StageError | None = None
     turns: list[Turn] = Field(default_factory=list)

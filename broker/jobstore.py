@@ -147,6 +147,8 @@ class JobRecord:
     policy_version: int | None
     error: StageError | None
     context: dict[str, Any] | None
+    sandbox: dict[str, Any] | None
+    """Where the job's sandbox lives (its keeper, socket and host), once INIT started it."""
 
 
 class JobStore:
@@ -288,6 +290,7 @@ class JobStore:
             policy_version=int(h["policy_version"]) if h.get("policy_version") else None,
             error=StageError.model_validate_json(h["error"]) if h.get("error") else None,
             context=json.loads(h["context"]) if h.get("context") else None,
+            sandbox=json.loads(h["sandbox"]) if h.get("sandbox") else None,
         )
 
     def status(self, job_id: str) -> JobStatus:

@@ -60,6 +60,15 @@ class Settings(BaseSettings):
     backend_retries: int = 3
     """Attempts per inference request on connection errors and 5xx answers."""
 
+    sandbox_backend: str = "auto"
+    """Where tool-using jobs run: `bwrap`, `apptainer`, `local` (no isolation) or `auto`."""
+    sandbox_dir: Path = Path(".rollserve/sandboxes")
+    """This host's sandbox state: one directory per live sandbox (sockets, workspaces)."""
+    reap_interval: float = 30.0
+    """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
+    tool_timeout: float = 120.0
+    """Default seconds for one bash or ipython call of an agent."""
+
     max_tokens: int = 1024
     """Default `sampling.max_tokens` (tokens per model call)."""
     max_turns: int = 8

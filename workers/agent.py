@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from routing.vllm import Completion
 from workers.handlers.base import Handler
+from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
 
 
@@ -40,6 +41,12 @@ class Templater(Protocol):
     ) -> list[int]: ...
 
 
+class ToolRunner(Protocol):
+    """The job's tool server as the loop uses it."""
+
+    async def call(self, tool: str, **args: Any) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds of one episode; every field is resolved (no None) before the loop starts."""
@@ -51,6 +58,7 @@ class Limits:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    tool_timeout: float = 120.0
 
 
 @dataclass
@@ -69,14 +77,19 @@ async def run_episode(
     templater: Templater,
     limits: Limits,
     on_turn: Callable[[TrajectoryBuilder], None] = lambda _b: None,
+    runner: ToolRunner | None = None,
 ) -> Episode:
     """Run the multi-turn loop until an answer, `max_turns`, the budget or the context ends it.
 
-    `stop_reason` says which: `answer` (or the handler's own reason), `max_turns`,
-    `token_budget` or `context_length`. A call cut by its per-call `max_tokens` is handed to
-    the handler like any other turn.
+    `stop_reason` says which: `answer` (or the handler's own reason), `finish` (the model
+    called the finish tool), `max_turns`, `token_budget` or `context_length`. A call cut by
+    its per-call `max_tokens` is handed on like any other turn.
+    With `tools` declared, the turn's `<tool_call>` blocks are run on `runner` and their
+    results appended as tool messages; a malformed call becomes an error message the model
+    reads, and is counted. A turn without calls goes to the handler's `step`.
     `on_turn` sees the builder after every turn, so a partial trajectory can be saved.
     """
+    declared = {t.get("function", t).get("name") for t in tools or []}
     prompt = await templater.prompt_ids(messages, tools)
     context = await policy.max_model_len()
     builder = TrajectoryBuilder(prompt)
@@ -101,13 +114,17 @@ async def run_episode(
             seed=limits.seed,
             stop=limits.stop,
         )
+        llm_seconds = time.perf_counter() - started
+        parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
         builder.add_model_turn(
             completion.output_ids,
             completion.logprobs,
             completion.text,
             completion.finish_reason,
-            llm_seconds=time.perf_counter() - started,
+            llm_seconds=llm_seconds,
+            tool_calls=[c.as_dict() for c in parsed.calls],
         )
+        builder.malformed_tool_calls += len(parsed.errors)
         on_turn(builder)
 
         if completion.finish_reason == "length":
@@ -119,21 +136,51 @@ async def run_episode(
                 return Episode(builder, "token_budget", truncated=True)
 
         step_started = time.perf_counter()
-        step = handler.step(task, completion.text, turn)
+        if parsed.calls or parsed.errors:
+            replies, finished = await _run_calls(parsed, declared, runner, limits.tool_timeout)
+            if finished:
+                return Episode(builder, "finish", truncated=False)
+        else:
+            step = handler.step(task, completion.text, turn)
+            if step.done:
+                return Episode(builder, step.stop_reason or "answer", truncated=False)
+            replies = step.messages
         step_seconds = time.perf_counter() - step_started
-        if step.done:
-            return Episode(builder, step.stop_reason or "answer", truncated=False)
         if turn == limits.max_turns - 1:
             break
-        observation = await templater.continuation_ids(completion.output_ids, step.messages, tools)
+        observation = await templater.continuation_ids(completion.output_ids, replies, tools)
         if len(builder.response_ids) + len(observation) >= limits.max_total_tokens:
             return Episode(builder, "token_budget", truncated=True)
         if builder.sequence_length + len(observation) >= context:
             return Episode(builder, "context_length", truncated=True)
         builder.add_env_turn(
             observation,
-            text="\n".join(str(m.get("content", "")) for m in step.messages),
+            text="\n".join(str(m.get("content", "")) for m in replies),
             tool_seconds=step_seconds,
         )
         on_turn(builder)
     return Episode(builder, "max_turns", truncated=False)
+
+
+async def _run_calls(
+    parsed: ParsedCalls, declared: set[str | None], runner: ToolRunner | None, timeout: float
+) -> tuple[list[dict[str, Any]], bool]:
+    """Run the turn's calls in order; returns the tool messages and whether `finish` was called
+    (calls after `finish` are not run)."""
+    replies = [{"role": "tool", "content": f"Error: {error}"} for error in parsed.errors]
+    for call in parsed.calls:
+        if call.name == "finish":
+            return replies, True
+        if call.name not in declared or runner is None:
+            known = ", ".join(sorted(n for n in declared if n))
+            content = f"Error: there is no tool {call.name!r}; the tools are: {known}"
+        else:
+            arguments = dict(call.arguments)
+            if call.name in ("bash", "ipython"):
+                arguments.setdefault("timeout", timeout)
+            try:
+                content = format_result(call.name, await runner.call(call.name, **arguments))
+            except Exception as exc:  # the model's mistake (bad arguments) or the tool's
+                content = f"Error: {getattr(exc, 'message', None) or exc}"
+        replies.append({"role": "tool", "content": content})
+    return replies, False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,11 +14,12 @@ from typing import Any, TypeVar
 import redis
 
 from api.schemas import Backend, JobStatus, StageError
-from broker.jobstore import JobStore
+from broker.jobstore import JobNotFound, JobStore
 from broker.settings import Settings, get_settings
 from routing.chat import ChatTemplater
 from routing.pool import BackendPool
 from routing.vllm import VLLMClient
+from sandbox.keeper import release
 
 T = TypeVar("T")
 
@@ -59,11 +61,22 @@ class Runtime:
         return cached[1], cached[2]
 
     def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
-        """End a job that will not complete (keeping its partial trajectory); free its backend."""
+        """End a job that will not complete (keeping its partial trajectory); free its backend
+        and stop its sandbox."""
         try:
             return self.store.finish(job_id, status, error=error)
         finally:
             self.pool.release(job_id)
+            self.release_sandbox(job_id)
+
+    def release_sandbox(self, job_id: str) -> None:
+        """Stop the job's sandbox if it has one on this host (the reaper covers other hosts)."""
+        try:
+            sandbox = self.store.get(job_id).sandbox
+        except JobNotFound:
+            return
+        if sandbox is not None and sandbox.get("host") == socket.gethostname():
+            release(sandbox)
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None

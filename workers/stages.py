@@ -6,12 +6,19 @@ final result is recorded (the job store's `finish` is exactly-once).
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from api.schemas import JobStatus
 from broker.jobstore import JobRecord
-from workers.agent import Limits, run_episode
+from routing.chat import ChatTemplater
+from routing.vllm import VLLMClient
+from sandbox.keeper import launch
+from sandbox.toolclient import AsyncToolClient, ToolClient
+from workers.agent import Episode, Limits, run_episode
+from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
 from workers.runtime import Runtime
 from workers.trajectory import TrajectoryBuilder
@@ -26,7 +33,8 @@ def _enter(rt: Runtime, job_id: str, status: JobStatus) -> JobRecord | None:
 
 
 def init_stage(rt: Runtime, job_id: str) -> bool:
-    """Prepare the episode: the handler's first messages and tools, kept in the job record."""
+    """Prepare the episode: the handler's first messages and tools, kept in the job record,
+    and the job's sandbox with its tool server ready, when the handler asks for one."""
     started = time.perf_counter()
     record = _enter(rt, job_id, JobStatus.init)
     if record is None:
@@ -36,12 +44,20 @@ def init_stage(rt: Runtime, job_id: str) -> bool:
         "messages": handler.initial_messages(record.task),
         "tools": handler.tools(record.task),
     }
+    spec = handler.sandbox_spec(record.task, job_id) if handler.needs_sandbox else None
+    if spec is not None:
+        if record.sandbox is not None:  # a redelivered INIT: the first attempt's box goes
+            rt.release_sandbox(job_id)
+        kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
+        rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": socket.gethostname()})
+        with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
+            handler.prepare(record.task, tools)
     rt.store.set_fields(job_id, context=context)
     rt.store.stage_finished(job_id, "init", time.perf_counter() - started)
     return True
 
 
-def limits_for(record: JobRecord) -> Limits:
+def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
     """The episode's bounds from the job's resolved sampling and agent parameters."""
     sampling: dict[str, Any] = record.sampling
     seed = sampling.get("seed")
@@ -53,6 +69,7 @@ def limits_for(record: JobRecord) -> Limits:
         top_p=float(sampling.get("top_p", 1.0)),
         seed=None if seed is None else int(seed) + record.sample_index,
         stop=sampling.get("stop"),
+        tool_timeout=tool_timeout,
     )
 
 
@@ -78,15 +95,14 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
 
         client, templater = rt.policy(backend)
         episode = rt.run(
-            run_episode(
+            _episode_with_tools(
+                rt,
+                record,
                 handler,
-                record.task,
-                record.context["messages"],
-                record.context.get("tools"),
                 client,
                 templater,
-                limits_for(record),
-                on_turn=save,
+                limits_for(record, rt.settings.tool_timeout),
+                save,
             )
         )
         episode.builder.fill(trajectory)
@@ -99,6 +115,36 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     return True
 
 
+async def _episode_with_tools(
+    rt: Runtime,
+    record: JobRecord,
+    handler: Handler,
+    client: VLLMClient,
+    templater: ChatTemplater,
+    limits: Limits,
+    save: Callable[[TrajectoryBuilder], None],
+) -> Episode:
+    assert record.context is not None
+    runner = None
+    if record.sandbox is not None:
+        runner = AsyncToolClient(record.sandbox["socket_path"], timeout=limits.tool_timeout + 30)
+    try:
+        return await run_episode(
+            handler,
+            record.task,
+            record.context["messages"],
+            record.context.get("tools"),
+            client,
+            templater,
+            limits,
+            on_turn=save,
+            runner=runner,
+        )
+    finally:
+        if runner is not None:
+            await runner.close()
+
+
 def eval_stage(rt: Runtime, job_id: str) -> bool:
     """Grade the episode and record the job as completed (once)."""
     started = time.perf_counter()
@@ -108,7 +154,16 @@ def eval_stage(rt: Runtime, job_id: str) -> bool:
     handler = get_handler(record.data_source)
     trajectory = rt.store.trajectory(job_id)
     texts = [turn.text for turn in trajectory.turns if turn.type == "model"]
-    grade = handler.grade(record.task, texts)
+    if record.sandbox is not None:
+        try:
+            with ToolClient(
+                record.sandbox["socket_path"], timeout=rt.settings.tool_timeout
+            ) as tools:
+                grade = handler.grade(record.task, texts, tools)
+        finally:
+            rt.release_sandbox(job_id)
+    else:
+        grade = handler.grade(record.task, texts)
     trajectory.reward = float(grade.reward)
     trajectory.eval = grade.details
     rt.store.stage_finished(job_id, "eval", time.perf_counter() - started)

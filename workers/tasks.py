@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery import Task, shared_task
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_ready
 
 from api.schemas import JobStatus, StageError
-from broker.jobstore import JobNotFound
+from broker.jobstore import JobNotFound, JobStore
+from sandbox.reaper import reap
 from workers import stages
 from workers.handlers.registry import get_handler, known_handlers
 from workers.runtime import Runtime, get_runtime
@@ -63,6 +67,35 @@ def warm_handlers(**_: Any) -> None:
             get_handler(name).warm_up()
         except Exception:
             log.exception("warming up the %s handler failed; its first job will be slower", name)
+
+
+def job_is_live(store: JobStore, job_id: str) -> bool:
+    """A sandbox's job is live while it has not reached a final status."""
+    try:
+        return not store.status(job_id).terminal
+    except JobNotFound:
+        return False
+
+
+def reap_forever(interval: float) -> None:
+    """Every `interval` seconds, stop this host's sandboxes whose job ended or lease expired."""
+    while True:
+        time.sleep(interval)
+        try:
+            store = get_runtime().store
+            state_root = get_runtime().settings.sandbox_dir.resolve()
+            reaped = reap(state_root, partial(job_is_live, store))
+            if reaped:
+                log.info("reaped sandboxes %s", ", ".join(reaped))
+        except Exception:
+            log.exception("sandbox reaper sweep failed; trying again in %.0fs", interval)
+
+
+@worker_ready.connect
+def start_reaper(**_: Any) -> None:
+    """Each worker sweeps its host for leaked sandboxes (a crashed worker's, a cancelled job's)."""
+    interval = get_runtime().settings.reap_interval
+    threading.Thread(target=reap_forever, args=(interval,), name="reaper", daemon=True).start()
 
 
 @shared_task(name="rollserve.init", bind=True)

@@ -23,6 +23,7 @@ class TrajectoryBuilder:
         self._pending_prompt: list[int] = list(prompt_ids)
         self.llm_seconds = 0.0
         self.tool_seconds = 0.0
+        self.malformed_tool_calls = 0
 
     @property
     def sequence(self) -> list[int]:
@@ -89,4 +90,6 @@ class TrajectoryBuilder:
         trajectory.logprobs = list(self.logprobs)
         trajectory.timing.llm = self.llm_seconds
         trajectory.timing.tools = self.tool_seconds
+        trajectory.tool_calls = sum(len(t.tool_calls) for t in self.turns if t.type == "model")
+        trajectory.malformed_tool_calls = self.malformed_tool_calls
         return trajectory

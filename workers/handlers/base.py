@@ -12,7 +12,10 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from sandbox.base import SandboxSpec
 
 
 class TaskValidationError(ValueError):
@@ -45,6 +48,12 @@ class Grade:
     """JSON-serialisable: the extracted answer, the gold answer, the method, the reason."""
 
 
+class ToolSession(Protocol):
+    """The job's tool server, as grading sees it (one call at a time)."""
+
+    def call(self, tool: str, **args: Any) -> dict[str, Any]: ...
+
+
 class Handler(ABC):
     """One kind of task. Subclasses set `name` and implement the four abstract methods."""
 
@@ -58,6 +67,14 @@ class Handler(ABC):
     @abstractmethod
     def initial_messages(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat messages the first model call sees (`task` has passed `validate`)."""
+
+    def sandbox_spec(self, task: dict[str, Any], job_id: str) -> SandboxSpec | None:
+        """The sandbox INIT starts for the job (when `needs_sandbox`); None for no sandbox."""
+        return None
+
+    def prepare(self, task: dict[str, Any], tools: ToolSession) -> None:
+        """Set the sandbox up for the task once its tool server is ready (INIT)."""
+        return None
 
     def tools(self, task: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Tool schemas (OpenAI function format) offered to the model; None for no tools."""
@@ -73,8 +90,11 @@ class Handler(ABC):
         """Decide what follows the assistant turn `assistant_text` (`turn` counts from 0)."""
 
     @abstractmethod
-    def grade(self, task: dict[str, Any], assistant_texts: list[str]) -> Grade:
-        """Grade an episode from every assistant turn's text in order (possibly none)."""
+    def grade(
+        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+    ) -> Grade:
+        """Grade an episode from every assistant turn's text in order (possibly none); a
+        handler with a sandbox gets its tool server as `tools`."""
 
 
 # ----------------------------------------------------------------------------- text helpers

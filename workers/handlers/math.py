@@ -30,6 +30,7 @@ from workers.handlers.base import (
     Handler,
     StepResult,
     TaskValidationError,
+    ToolSession,
     find_boxed,
     visible_text,
 )
@@ -428,7 +429,9 @@ class MathHandler(Handler):
             return StepResult(done=True, messages=[], stop_reason="answer")
         return StepResult(done=False, messages=[{"role": "user", "content": REMINDER}])
 
-    def grade(self, task: dict[str, Any], assistant_texts: list[str]) -> Grade:
+    def grade(
+        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+    ) -> Grade:
         """Reward 1.0 when the last final answer of the episode equals the gold answer.
 
         Works on any thread: on the main thread math-verify bounds its own time; off it the

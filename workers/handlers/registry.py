@@ -13,11 +13,13 @@ from importlib.metadata import entry_points
 
 from workers.handlers.base import Handler
 from workers.handlers.math import MathHandler
+from workers.handlers.shell import ShellHandler
 from workers.handlers.stem import StemHandler
 
 ENTRY_POINT_GROUP = "rollserve.handlers"
 BUILTIN_HANDLERS: dict[str, type[Handler]] = {
     MathHandler.name: MathHandler,
+    ShellHandler.name: ShellHandler,
     StemHandler.name: StemHandler,
 }
 

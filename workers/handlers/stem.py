@@ -24,6 +24,7 @@ from workers.handlers.base import (
     Handler,
     StepResult,
     TaskValidationError,
+    ToolSession,
     find_boxed,
     required_text,
     visible_text,
@@ -324,7 +325,9 @@ class StemHandler(Handler):
             reminder = 'Please end your reply with a line "Answer: <answer>".'
         return StepResult(done=False, messages=[{"role": "user", "content": reminder}])
 
-    def grade(self, task: dict[str, Any], assistant_texts: list[str]) -> Grade:
+    def grade(
+        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+    ) -> Grade:
         """Reward 1.0 when the episode's last answer is the correct choice / an accepted answer."""
         parsed = read_task(task)
         details: dict[str, Any] = {"method": "exact_match", "extracted": None}

@@ -1,0 +1,128 @@
+"""The orphan reaper: stops sandboxes whose job is over or whose lease ran out.
+
+Each worker sweeps its host's state root now and then. A sandbox is reaped when its job is
+no longer live, when its lease expired, or when its box is already gone (its owner crashed
+and bubblewrap's --die-with-parent took the box along, leaving the state dir). Reaping kills
+every process labelled with the sandbox's id, then removes its state dir. Sweeps may run
+at the same time in several processes: a sandbox is reaped under its state dir's lock, by
+whoever takes it first. Sandboxes another host recorded (a state root on a shared file
+system) are left to that host.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sandbox.backends import backend_class
+from sandbox.base import (
+    TOMBSTONE_PREFIX,
+    SandboxInfo,
+    locked,
+    process_matches,
+    read_info,
+    release_state,
+    remove_tree,
+    state_lock,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SandboxInfo", "list_sandboxes", "reap"]
+
+ORPHAN_GRACE_SECONDS = 300.0
+"""A state dir without a readable meta.json is removed once it is this old (a create that
+crashed between making the directory and recording it)."""
+
+
+def _state_dirs(state_root: Path) -> list[Path]:
+    if not state_root.is_dir():
+        return []
+    return sorted(p for p in state_root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def list_sandboxes(state_root: Path) -> list[SandboxInfo]:
+    """Every sandbox recorded under `state_root` (any host), from its meta.json."""
+    infos = [read_info(d) for d in _state_dirs(state_root)]
+    return [info for info in infos if info is not None]
+
+
+def why_reap(info: SandboxInfo, job_is_live: Callable[[str], bool], now: float) -> str | None:
+    """Why `info`'s sandbox should go, or None if it stays."""
+    if now >= info.lease_expires:
+        return "its lease expired"
+    try:
+        live = job_is_live(info.job_id)
+    except Exception:
+        log.exception("cannot tell whether job %s is live; keeping its sandbox", info.job_id)
+        return None
+    if not live:
+        return f"job {info.job_id} is over"
+    if info.pid is not None and not process_matches(info.pid, info.start_time):
+        return "its box is gone"
+    return None
+
+
+def reap(
+    state_root: Path, job_is_live: Callable[[str], bool], *, now: float | None = None
+) -> list[str]:
+    """Kill and remove every sandbox of this host under `state_root` whose job is not live,
+    whose lease expired, or whose box is already gone; returns the ids it reaped.
+
+    `job_is_live(job_id)` is asked once per job per sweep; if it raises, that job's
+    sandboxes stay. Safe to run concurrently on one host.
+    """
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    verdicts: dict[str, bool] = {}
+
+    def live(job_id: str) -> bool:
+        if job_id not in verdicts:
+            verdicts[job_id] = job_is_live(job_id)
+        return verdicts[job_id]
+
+    _clear_tombstones(state_root, now)
+    reaped: list[str] = []
+    for state_dir in _state_dirs(state_root):
+        info = read_info(state_dir)
+        if info is None:
+            if _orphaned(state_dir, now):
+                with locked(state_lock(state_dir), blocking=False) as held:
+                    if held and read_info(state_dir) is None:
+                        log.info("removing sandbox dir %s: it was never recorded", state_dir)
+                        remove_tree(state_dir)
+                        reaped.append(state_dir.name)
+            continue
+        if info.host != host:
+            continue
+        reason = why_reap(info, live, now)
+        if reason is None:
+            continue
+        with locked(state_lock(state_dir), blocking=False) as held:
+            current = read_info(state_dir) if held else None
+            if current is None:  # another sweep or the owner's stop got there first
+                continue
+            log.info("reaping sandbox %s (job %s): %s", info.id, info.job_id, reason)
+            backend_class(current.backend).terminate(current)
+            release_state(current)
+            reaped.append(current.id)
+    return reaped
+
+
+def _clear_tombstones(state_root: Path, now: float) -> None:
+    """Remove what a stop that crashed midway left of a state dir it was removing."""
+    if not state_root.is_dir():
+        return
+    for entry in state_root.iterdir():
+        if entry.name.startswith(TOMBSTONE_PREFIX) and _orphaned(entry, now):
+            remove_tree(entry)
+
+
+def _orphaned(state_dir: Path, now: float) -> bool:
+    try:
+        return now - state_dir.stat().st_mtime > ORPHAN_GRACE_SECONDS
+    except OSError:
+        return False

@@ -1,0 +1,157 @@
+"""Fixtures for the sandbox tests: short state roots, sandboxes that are always stopped, a
+TCP listener on the host, and a scan of /proc for what a job left running.
+
+Load them as a plugin in a test module:
+
+    pytest_plugins = ["tests.sandbox_fixtures"]
+
+- `bwrap_sandbox` / `local_sandbox`: `make(**spec_fields)` makes a sandbox for a fresh job;
+  all are stopped at the end and must leave no process behind. `bwrap_sandbox` skips, saying
+  why, where bubblewrap cannot make boxes.
+- `toolserver_available`: skips unless `python -m sandbox.toolserver` exists.
+- `job_processes`: `job_processes(job_id)` lists the live pids labelled with the job.
+- `state_root`, `host_listener`, `visible_host_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandbox.base import LABEL_JOB, Sandbox, SandboxBackend, SandboxSpec, remove_tree
+from sandbox.bwrap import BubblewrapBackend
+from sandbox.local import LocalBackend
+
+
+def find_job_processes(job_id: str) -> list[int]:
+    """Pids of live processes labelled with `job_id`."""
+    needle = f"{LABEL_JOB}={job_id}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
+def new_job_id() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def state_root() -> Iterator[Path]:
+    """A short state root (Unix socket paths hold 107 bytes), removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    yield root
+    remove_tree(root)
+
+
+SandboxFactory = Callable[..., Sandbox]
+
+
+def sandbox_factory(backend: SandboxBackend, state_root: Path) -> Iterator[SandboxFactory]:
+    """`make(**spec_fields)` creates a sandbox for a fresh job; every one made is stopped
+    at the end, and none may leave a process behind."""
+    made: list[Sandbox] = []
+
+    def make(**fields: Any) -> Sandbox:
+        fields.setdefault("job_id", new_job_id())
+        sandbox = backend.create(SandboxSpec(**fields), state_root)
+        made.append(sandbox)
+        return sandbox
+
+    yield make
+    for sandbox in made:
+        sandbox.stop()
+    leaks = {s.job_id: find_job_processes(s.job_id) for s in made}
+    assert not any(leaks.values()), f"processes left behind: {leaks}"
+
+
+@pytest.fixture
+def bwrap_backend() -> BubblewrapBackend:
+    backend = BubblewrapBackend()
+    ok, why = backend.available()
+    if not ok:
+        pytest.skip(f"bubblewrap cannot make boxes here: {why}")
+    return backend
+
+
+@pytest.fixture
+def bwrap_sandbox(bwrap_backend: BubblewrapBackend, state_root: Path) -> Iterator[SandboxFactory]:
+    yield from sandbox_factory(bwrap_backend, state_root)
+
+
+@pytest.fixture
+def local_sandbox(state_root: Path) -> Iterator[SandboxFactory]:
+    yield from sandbox_factory(LocalBackend(), state_root)
+
+
+@pytest.fixture
+def toolserver_available() -> None:
+    if importlib.util.find_spec("sandbox.toolserver.__main__") is None:
+        pytest.skip("the tool server (python -m sandbox.toolserver) is not in this tree yet")
+
+
+@pytest.fixture
+def job_processes() -> Callable[[str], list[int]]:
+    return find_job_processes
+
+
+class Listener:
+    """A TCP server on the host's 127.0.0.1 that counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.server.getsockname()[1]
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.sendall(b"hello from the host\n")
+            conn.close()
+
+    def close(self) -> None:
+        # Closing alone does not wake a thread blocked in accept(); shutting down does.
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)
+        self.server.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def host_listener() -> Iterator[Listener]:
+    listener = Listener()
+    yield listener
+    listener.close()
+
+
+@pytest.fixture
+def visible_host_dir() -> Iterator[Path]:
+    """A directory on the host outside /tmp, /root and /home, so a box on the host's root
+    sees it (read-only)."""
+    path = Path(tempfile.mkdtemp(prefix="rollserve-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
