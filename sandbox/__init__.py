@@ -1,29 +1,7 @@
-"""Sandboxes for agents' tools: one interface, several backends, and a reaper for orphans."""
+"""Sandboxes for agents' tools: one interface (`sandbox.base`), several backends
+(`sandbox.backends`), a reaper for orphans (`sandbox.reaper`), and the tool server that runs
+inside a box (`sandbox.toolserver`).
 
-from sandbox.backends import BACKENDS, get_backend
-from sandbox.base import (
-    Bind,
-    ExecResult,
-    Limits,
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxInfo,
-    SandboxSpec,
-)
-from sandbox.reaper import list_sandboxes, reap
-
-__all__ = [
-    "BACKENDS",
-    "Bind",
-    "ExecResult",
-    "Limits",
-    "Sandbox",
-    "SandboxBackend",
-    "SandboxError",
-    "SandboxInfo",
-    "SandboxSpec",
-    "get_backend",
-    "list_sandboxes",
-    "reap",
-]
+Nothing is imported here: the tool server starts inside every sandbox as
+`python -m sandbox.toolserver`, and importing the backends first would slow that start.
+"""

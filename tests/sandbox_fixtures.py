@@ -10,6 +10,7 @@ Load them as a plugin in a test module:
   why, where bubblewrap cannot make boxes.
 - `toolserver_available`: skips unless `python -m sandbox.toolserver` exists.
 - `job_processes`: `job_processes(job_id)` lists the live pids labelled with the job.
+- `command_running`: `command_running(job_id, "sleep")` waits until the job runs `sleep`.
 - `state_root`, `host_listener`, `visible_host_dir`.
 """
 
@@ -22,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +50,24 @@ def find_job_processes(job_id: str) -> list[int]:
         if needle in environ.split(b"\0"):
             found.append(int(name))
     return found
+
+
+def wait_for_command(job_id: str, command: str, timeout: float = 10.0) -> None:
+    """Wait until a process of `job_id` runs `command` (its argv[0])."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in find_job_processes(job_id):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == command.encode():
+                    return
+        time.sleep(0.005)
+    raise AssertionError(f"no process of {job_id} ran {command} within {timeout}s")
+
+
+@pytest.fixture
+def command_running() -> Callable[[str, str], None]:
+    """`command_running(job_id, command)` waits until a process of the job runs `command`."""
+    return wait_for_command
 
 
 def new_job_id() -> str:

@@ -45,13 +45,17 @@ def test_list_sandboxes_describes_each_from_its_meta(
 
 
 def test_the_reaper_kills_a_sandbox_whose_job_is_no_longer_live(
-    bwrap_sandbox: SandboxFactory, state_root: Path, job_processes: JobProcesses
+    bwrap_sandbox: SandboxFactory,
+    state_root: Path,
+    job_processes: JobProcesses,
+    command_running: Callable[[str, str], None],
 ) -> None:
     ended, live = bwrap_sandbox(), bwrap_sandbox()
     for box in (ended, live):
         box.start(tool_server=False)
     running = threading.Thread(target=lambda: ended.exec(["sleep", "1000"]), daemon=True)
     running.start()
+    command_running(ended.job_id, "sleep")
     reaped = reap(state_root, lambda job_id: job_id != ended.job_id)
     assert reaped == [ended.id]
     running.join(10)

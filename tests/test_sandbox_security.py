@@ -244,7 +244,9 @@ def test_background_processes_end_with_their_command(
 
 
 def test_stopping_a_sandbox_leaves_no_process_behind(
-    bwrap_sandbox: SandboxFactory, job_processes: JobProcesses
+    bwrap_sandbox: SandboxFactory,
+    job_processes: JobProcesses,
+    command_running: Callable[[str, str], None],
 ) -> None:
     box = bwrap_sandbox()
     box.start(tool_server=False)
@@ -253,10 +255,8 @@ def test_stopping_a_sandbox_leaves_no_process_behind(
         target=lambda: outcome.append(box.exec(["sleep", "1000"], timeout=60)), daemon=True
     )
     running.start()
-    deadline = time.monotonic() + 10
-    while len(job_processes(box.job_id)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(job_processes(box.job_id)) >= 3  # the box's and the exec's processes
+    command_running(box.job_id, "sleep")
+    assert len(job_processes(box.job_id)) >= 4  # the box's and the exec's processes
     started = time.perf_counter()
     box.stop()
     running.join(10)
