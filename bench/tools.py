@@ -14,8 +14,8 @@ Measured in one run, on this machine:
   TCP_NODELAY) in its own process that owns a jupyter_client `KernelManager` and runs each
   POSTed cell with `BlockingKernelClient.execute_interactive`, as a kernel gateway would;
   both kernels use the same `ipc` transport, so the difference is the HTTP hop;
-- tool server start-to-ready (process start until a `ping` is answered) and stop
-  (SIGTERM until exit), outside any sandbox and inside bubblewrap.
+- sandbox start-to-ready (create until its tool server answers a `ping`) and stop, for each
+  sandbox backend that runs here (local, and bwrap when bubblewrap is installed).
 
     .venv/bin/python bench/tools.py [--quick]
 
@@ -123,16 +123,6 @@ def server_argv(socket_path: Path, workdir: Path, tcp_port: int | None = None) -
     if tcp_port is not None:
         argv += ["--tcp", f"127.0.0.1:{tcp_port}"]
     return argv
-
-
-def bwrap_argv(socket_dir: Path) -> list[str]:
-    return [
-        *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"),
-        *("--tmpfs", "/tmp", "--bind", str(socket_dir), str(socket_dir)),
-        *("--unshare-all", "--die-with-parent", "--"),
-        *(sys.executable, "-m", "sandbox.toolserver", "--socket", f"{socket_dir}/tools.sock"),
-        *("--workdir", str(socket_dir)),
-    ]
 
 
 @contextlib.contextmanager
@@ -410,25 +400,29 @@ def bench_ipython(socket_path: Path, n: int) -> dict[str, Any]:
 # Start-up -----------------------------------------------------------------------------------
 
 
-def bench_startup(work: Path, n: int, in_bwrap: bool) -> dict[str, Any]:
+def bench_startup(work: Path, n: int, backend: str) -> dict[str, Any]:
+    """A sandbox of `backend` from create until its tool server answers a ping, and its stop."""
+    from sandbox.backends import get_backend
+    from sandbox.base import SandboxSpec
+
     ready: list[float] = []
     stopped: list[float] = []
+    state_root = work / f"sandboxes-{backend}"
     for index in range(n):
-        socket_dir = Path(tempfile.mkdtemp(prefix="rs-bench-", dir="/tmp"))
-        socket_path = socket_dir / "tools.sock"
-        argv = bwrap_argv(socket_dir) if in_bwrap else server_argv(socket_path, work)
         started = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=REPO, start_new_session=True)
+        box = get_backend(backend).create(SandboxSpec(job_id=f"bench-{index}"), state_root)
         try:
-            with ToolClient(socket_path, timeout=5) as client:
-                client.wait_until_ready(timeout=30, interval=0.001)
+            box.start(tool_server=True)
+            with ToolClient(box.socket_path, timeout=5) as client:
+                client.ping()
                 ready.append(time.perf_counter() - started)
                 if index == 0:
                     client.call("bash", command="true")
-            stopped.append(terminate_and_time(proc))
+            began_stop = time.perf_counter()
+            box.stop()
+            stopped.append(time.perf_counter() - began_stop)
         finally:
-            stop_process(proc)
-            shutil.rmtree(socket_dir, ignore_errors=True)
+            box.stop()
     return {"ready": summary(ready), "stop": summary(stopped)}
 
 
@@ -480,9 +474,9 @@ def main() -> int:
             ipython = bench_ipython(socket_path, n["ipython"])
         tmux = bench_tmux(work, n["tmux_true"], n["tmux_100k"]) if have_tmux else {}
         swerex = bench_swerex(n["swerex_true"], n["swerex_100k"])
-        startup = {"local": bench_startup(work, n["startup"], in_bwrap=False)}
+        startup = {"local": bench_startup(work, n["startup"], "local")}
         if have_bwrap:
-            startup["bwrap"] = bench_startup(work, n["startup"], in_bwrap=True)
+            startup["bwrap"] = bench_startup(work, n["startup"], "bwrap")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -536,10 +530,10 @@ def main() -> int:
     print(f"\nIPython cell `1+1`\n{header}")
     print(row("tool server -> jupyter_client -> kernel (ours)", ipython["direct"]))
     print(row("HTTP hop (stdlib http.server) -> kernel", ipython["http"], ipython["direct"]))
-    print(f"\ntool server start-to-ready and stop\n{header}")
+    print(f"\nsandbox with tool server: start-to-ready and stop\n{header}")
     for where, values in startup.items():
-        print(row(f"{where}: start until ping answered", values["ready"]))
-        print(row(f"{where}: SIGTERM until exit", values["stop"]))
+        print(row(f"{where}: create until ping answered", values["ready"]))
+        print(row(f"{where}: stop", values["stop"]))
     print("\naims: " + ", ".join(f"{name}={'yes' if met else 'NO'}" for name, met in aims.items()))
     print(f"elapsed {time.perf_counter() - began:.1f} s\n")
 
