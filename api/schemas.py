@@ -214,6 +214,8 @@ class Trajectory(BaseModel):
     status: JobStatus
     reward: float | None = None
     eval: dict[str, Any] = Field(default_factory=dict)
+    outcome: dict[str, Any] = Field(default_factory=dict)
+    """What the episode produced in its sandbox, e.g. the `patch` of a SWE task."""
     policy_version: int | None = None
     backend_id: str | None = None
     stop_reason: str | None = None

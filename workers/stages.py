@@ -108,9 +108,15 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         episode.builder.fill(trajectory)
         trajectory.stop_reason = episode.stop_reason
         trajectory.truncated = episode.truncated
-        rt.store.save_partial(job_id, trajectory)
     finally:
         rt.pool.release(job_id)
+    if record.sandbox is not None:
+        tool_timeout = rt.settings.tool_timeout
+        with ToolClient(record.sandbox["socket_path"], timeout=tool_timeout) as tools:
+            trajectory.outcome = handler.collect_outcome(record.task, tools)
+        if not handler.grades_in_sandbox:
+            rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
+    rt.store.save_partial(job_id, trajectory)
     rt.store.stage_finished(job_id, "run", time.perf_counter() - started)
     return True
 
@@ -154,16 +160,16 @@ def eval_stage(rt: Runtime, job_id: str) -> bool:
     handler = get_handler(record.data_source)
     trajectory = rt.store.trajectory(job_id)
     texts = [turn.text for turn in trajectory.turns if turn.type == "model"]
-    if record.sandbox is not None:
+    if record.sandbox is not None and handler.grades_in_sandbox:
         try:
             with ToolClient(
                 record.sandbox["socket_path"], timeout=rt.settings.tool_timeout
             ) as tools:
-                grade = handler.grade(record.task, texts, tools)
+                grade = handler.grade(record.task, texts, tools, trajectory.outcome)
         finally:
             rt.release_sandbox(job_id)
     else:
-        grade = handler.grade(record.task, texts)
+        grade = handler.grade(record.task, texts, outcome=trajectory.outcome)
     trajectory.reward = float(grade.reward)
     trajectory.eval = grade.details
     rt.store.stage_finished(job_id, "eval", time.perf_counter() - started)

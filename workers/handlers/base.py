@@ -59,6 +59,10 @@ class Handler(ABC):
 
     name: ClassVar[str]
     needs_sandbox: ClassVar[bool] = False
+    """INIT starts a sandbox (`sandbox_spec`) with a tool server for the agent."""
+    grades_in_sandbox: ClassVar[bool] = False
+    """EVAL grades in the job's own sandbox, so EVAL runs on that sandbox's host; otherwise
+    the sandbox is stopped at the end of RUN (after `collect_outcome`) and EVAL runs anywhere."""
 
     @abstractmethod
     def validate(self, task: dict[str, Any]) -> None:
@@ -89,12 +93,22 @@ class Handler(ABC):
     def step(self, task: dict[str, Any], assistant_text: str, turn: int) -> StepResult:
         """Decide what follows the assistant turn `assistant_text` (`turn` counts from 0)."""
 
+    def collect_outcome(self, task: dict[str, Any], tools: ToolSession) -> dict[str, Any]:
+        """What the episode produced in its sandbox (e.g. a `patch`), taken at the end of RUN
+        while the sandbox still runs; JSON-serialisable; it reaches `grade` and the trainer."""
+        return {}
+
     @abstractmethod
     def grade(
-        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+        self,
+        task: dict[str, Any],
+        assistant_texts: list[str],
+        tools: ToolSession | None = None,
+        outcome: dict[str, Any] | None = None,
     ) -> Grade:
-        """Grade an episode from every assistant turn's text in order (possibly none); a
-        handler with a sandbox gets its tool server as `tools`."""
+        """Grade an episode from every assistant turn's text in order (possibly none), and the
+        `outcome` collected at the end of RUN; with `grades_in_sandbox` the job's tool server
+        comes as `tools`."""
 
 
 # ----------------------------------------------------------------------------- text helpers

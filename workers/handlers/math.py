@@ -430,7 +430,11 @@ class MathHandler(Handler):
         return StepResult(done=False, messages=[{"role": "user", "content": REMINDER}])
 
     def grade(
-        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+        self,
+        task: dict[str, Any],
+        assistant_texts: list[str],
+        tools: ToolSession | None = None,
+        outcome: dict[str, Any] | None = None,
     ) -> Grade:
         """Reward 1.0 when the last final answer of the episode equals the gold answer.
 

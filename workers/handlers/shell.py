@@ -24,6 +24,7 @@ class ShellHandler(Handler):
 
     name: ClassVar[str] = "shell"
     needs_sandbox: ClassVar[bool] = True
+    grades_in_sandbox: ClassVar[bool] = True
 
     def validate(self, task: dict[str, Any]) -> None:
         for key in ("instruction", "check"):
@@ -59,7 +60,11 @@ class ShellHandler(Handler):
         return StepResult(done=False, messages=[{"role": "user", "content": REMINDER}])
 
     def grade(
-        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+        self,
+        task: dict[str, Any],
+        assistant_texts: list[str],
+        tools: ToolSession | None = None,
+        outcome: dict[str, Any] | None = None,
     ) -> Grade:
         if tools is None:
             raise RuntimeError("a shell task is graded in its sandbox, and it has none")

@@ -326,7 +326,11 @@ class StemHandler(Handler):
         return StepResult(done=False, messages=[{"role": "user", "content": reminder}])
 
     def grade(
-        self, task: dict[str, Any], assistant_texts: list[str], tools: ToolSession | None = None
+        self,
+        task: dict[str, Any],
+        assistant_texts: list[str],
+        tools: ToolSession | None = None,
+        outcome: dict[str, Any] | None = None,
     ) -> Grade:
         """Reward 1.0 when the episode's last answer is the correct choice / an accepted answer."""
         parsed = read_task(task)
