@@ -227,6 +227,8 @@ class Trajectory(BaseModel):
     malformed_tool_calls: int = 0
     """Tool calls that could not be parsed (each got an error message back)."""
     timing: Timing = Field(default_factory=Timing)
+    hosts: dict[str, str] = Field(default_factory=dict)
+    """The worker node that ran each stage (`init`, `run`, `eval`)."""
     error: StageError | None = None
     turns: list[Turn] = Field(default_factory=list)
     prompt_ids: list[int] = Field(default_factory=list)

@@ -11,6 +11,17 @@ QUEUES = ("init", "run", "eval")
 TASK_NAMES = {stage: f"rollserve.{stage}" for stage in QUEUES}
 
 
+def node_queue(stage: str, node: str) -> str:
+    """The queue of `stage` tasks pinned to one node (where a job's sandbox lives)."""
+    return f"{stage}.{node}"
+
+
+def worker_queues(stage: str, node: str) -> list[str]:
+    """What a `stage` worker on `node` consumes: the shared queue, and for RUN and EVAL the
+    node's own, which holds the jobs whose sandbox INIT started here."""
+    return [stage] if stage == "init" else [stage, node_queue(stage, node)]
+
+
 def create_celery(settings: Settings, broker_url: str) -> Celery:
     """A Celery app on `broker_url` configured from `settings`.
 

@@ -45,11 +45,12 @@ STAGE_BUCKETS = (
 )
 _TERMINAL = ",".join(sorted(s.value for s in TERMINAL_STATUSES))
 
-# KEYS[1]=job hash KEYS[2]=status counts; ARGV: new status, now, terminal list
+# KEYS[1]=job hash KEYS[2]=status counts; ARGV: new status, now, terminal list, host
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
 if string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'host_' .. ARGV[1], ARGV[4]) end
 if cur == ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 redis.call('HSETNX', KEYS[1], 't_' .. ARGV[1], ARGV[2])
@@ -149,6 +150,8 @@ class JobRecord:
     context: dict[str, Any] | None
     sandbox: dict[str, Any] | None
     """Where the job's sandbox lives (its keeper, socket and host), once INIT started it."""
+    hosts: dict[str, str]
+    """The node that ran each stage (the last one, if a stage ran twice)."""
 
 
 class JobStore:
@@ -291,6 +294,7 @@ class JobStore:
             error=StageError.model_validate_json(h["error"]) if h.get("error") else None,
             context=json.loads(h["context"]) if h.get("context") else None,
             sandbox=json.loads(h["sandbox"]) if h.get("sandbox") else None,
+            hosts={k[5:]: v for k, v in h.items() if k.startswith("host_")},
         )
 
     def status(self, job_id: str) -> JobStatus:
@@ -310,6 +314,7 @@ class JobStore:
             traj.error = record.error
         traj.timing = self.timing(record, traj.timing)
         traj.finished_at = record.times.get("end")
+        traj.hosts = record.hosts
         return traj
 
     def skeleton(self, record: JobRecord) -> Trajectory:
@@ -342,10 +347,12 @@ class JobStore:
         return timing
 
     # ------------------------------------------------------------------ writes
-    def transition(self, job_id: str, status: JobStatus) -> bool:
-        """Move a live job to `status`; False if it is finished already (or already there)."""
+    def transition(self, job_id: str, status: JobStatus, host: str = "") -> bool:
+        """Move a live job to `status`, noting the `host` that runs the stage; False if it is
+        finished already (or already there)."""
         result = self._transition(
-            keys=[self._job(job_id), self._counts], args=[status.value, time.time(), _TERMINAL]
+            keys=[self._job(job_id), self._counts],
+            args=[status.value, time.time(), _TERMINAL, host],
         )
         if result == -1:
             raise JobNotFound(job_id)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -60,6 +61,9 @@ class Settings(BaseSettings):
     backend_retries: int = 3
     """Attempts per inference request on connection errors and 5xx answers."""
 
+    node_name: str = Field(default_factory=socket.gethostname)
+    """This worker node's name: sandboxed jobs run RUN (and EVAL, when it grades in the
+    sandbox) on the node whose INIT started their sandbox, through queues `run.<node>`."""
     sandbox_backend: str = "auto"
     """Where tool-using jobs run: `bwrap`, `apptainer`, `local` (no isolation) or `auto`."""
     sandbox_dir: Path = Path(".rollserve/sandboxes")

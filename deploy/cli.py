@@ -80,10 +80,11 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.redis_url:
         print("rollserve worker: set ROLLSERVE_REDIS_URL to the stack's Redis", file=sys.stderr)
         return 2
-    from broker.celery_app import get_celery
+    from broker.celery_app import get_celery, worker_queues
 
-    argv = ["worker", "-Q", args.queue, "-P", "prefork", "-E", "--loglevel", args.loglevel]
-    argv += ["-n", args.hostname or f"{args.queue}-{os.getpid()}@%h"]
+    queues = ",".join(worker_queues(args.queue, settings.node_name))
+    argv = ["worker", "-Q", queues, "-P", "prefork", "-E", "--loglevel", args.loglevel]
+    argv += ["-n", args.hostname or f"{args.queue}-{os.getpid()}@{settings.node_name}"]
     if args.concurrency:
         argv += ["--concurrency", str(args.concurrency)]
     if args.autoscale:

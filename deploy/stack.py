@@ -18,7 +18,7 @@ from types import TracebackType
 
 import httpx
 
-from broker.celery_app import QUEUES
+from broker.celery_app import QUEUES, worker_queues
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, spawn, stop_group, wait_for_port
 from broker.settings import Settings
@@ -126,9 +126,11 @@ class Stack:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log_path = self.data_dir / "logs" / f"{name}.log"
-        proc = spawn(argv, env=self.child_env(), log_path=str(log_path))
+        proc = spawn(argv, env={**self.child_env(), **(env or {})}, log_path=str(log_path))
         self.children[name] = proc
         return proc
 
@@ -152,17 +154,30 @@ class Stack:
             0, {"url": self.dev_backend_url, "model": model, "kind": "vllm", "id": "dev"}
         )
 
-    def start_worker(self, queue: str, concurrency: int, name: str | None = None) -> str:
-        """Start a prefork worker on `queue`; returns its child name (for `kill_worker`)."""
-        node = f"{queue}-{uuid.uuid4().hex[:6]}@%h"
+    def start_worker(
+        self,
+        queue: str,
+        concurrency: int,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
+        """Start a prefork worker on `queue`; returns its child name (for `kill_worker`).
+
+        `env` overrides settings for this worker alone, e.g. another `ROLLSERVE_NODE_NAME`
+        and `ROLLSERVE_SANDBOX_DIR` to play a second worker host.
+        """
+        env = env or {}
+        node_name = env.get("ROLLSERVE_NODE_NAME", self.settings.node_name)
+        celery_node = f"{queue}-{uuid.uuid4().hex[:6]}@{node_name}"
         child = name or f"worker-{queue}-{len(self.worker_names)}"
         argv = [
             sys.executable, "-m", "celery", "-A", "broker.worker_app", "worker",
-            "-Q", queue, "-P", "prefork", "-c", str(concurrency), "-n", node,
+            "-Q", ",".join(worker_queues(queue, node_name)), "-P", "prefork",
+            "-c", str(concurrency), "-n", celery_node,
             "-E", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
         ]  # fmt: skip
-        self._spawn(child, argv)
-        self.worker_names[child] = node.replace("%h", _hostname())
+        self._spawn(child, argv, env)
+        self.worker_names[child] = celery_node
         return child
 
     def wait_worker(self, child: str, timeout: float = 60.0) -> None:
@@ -215,9 +230,3 @@ class Stack:
             )
             if answer.status_code != 201:
                 raise RuntimeError(f"registering backend {backend['url']} failed: {answer.text}")
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -75,7 +74,7 @@ class Runtime:
             sandbox = self.store.get(job_id).sandbox
         except JobNotFound:
             return
-        if sandbox is not None and sandbox.get("host") == socket.gethostname():
+        if sandbox is not None and sandbox.get("host") == self.settings.node_name:
             release(sandbox)
 
     def _discard_loop(self) -> None:

@@ -6,7 +6,6 @@ final result is recorded (the job store's `finish` is exactly-once).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ def _enter(rt: Runtime, job_id: str, status: JobStatus) -> JobRecord | None:
     record = rt.store.get(job_id)
     if record.status.terminal:
         return None
-    rt.store.transition(job_id, status)
+    rt.store.transition(job_id, status, rt.settings.node_name)
     return record
 
 
@@ -49,7 +48,7 @@ def init_stage(rt: Runtime, job_id: str) -> bool:
         if record.sandbox is not None:  # a redelivered INIT: the first attempt's box goes
             rt.release_sandbox(job_id)
         kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
-        rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": socket.gethostname()})
+        rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": rt.settings.node_name})
         with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
             handler.prepare(record.task, tools)
     rt.store.set_fields(job_id, context=context)

@@ -14,6 +14,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_ready
 
 from api.schemas import JobStatus, StageError
+from broker.celery_app import node_queue
 from broker.jobstore import JobNotFound, JobStore
 from sandbox.reaper import reap
 from workers import stages
@@ -57,6 +58,24 @@ def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, st
         proceed = False
     if not proceed:
         task.request.chain = None
+    elif stage == "init":
+        pin_to_sandbox_node(task, rt, job_id)
+
+
+def pin_to_sandbox_node(task: Task, rt: Runtime, job_id: str) -> None:
+    """Send the job's RUN (and EVAL, when it grades in the sandbox) to the node whose INIT
+    started its sandbox: the box, its socket and its keeper live only there."""
+    record = rt.store.get(job_id)
+    if record.sandbox is None or not task.request.chain:
+        return
+    node = str(record.sandbox["host"])
+    pinned = ["run", "eval"] if get_handler(record.data_source).grades_in_sandbox else ["run"]
+    # The rest of the chain travels in the message, next task last; its options are applied
+    # when this task returns.
+    for link in task.request.chain:
+        stage = str(link.get("task", "")).rsplit(".", 1)[-1]
+        if stage in pinned:
+            link.setdefault("options", {})["queue"] = node_queue(stage, node)
 
 
 @worker_init.connect
