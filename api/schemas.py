@@ -187,6 +187,9 @@ class ModelTurn(BaseModel):
     text: str
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     llm_seconds: float = 0.0
+    turn_seconds: float = 0.0
+    """Wall time from this call's start until the reply to it was appended (model, tools,
+    templating and bookkeeping); 0 for a last turn that no reply followed."""
 
 
 class EnvTurn(BaseModel):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,14 @@ from routing.devserver.tiny import make_tiny_model
 
 HERE = Path(__file__).resolve().parent
 TASK = {"data_source": "math", "problem": "BENCH: What is 2+2?", "answer": "4"}
-SCRIPT = [{"match": "BENCH", "samples": [["2+2 = \\boxed{4}"]]}]
+TRUE_CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "true"}}\n</tool_call>'
+FINISH_CALL = '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>'
+TOOL_TURNS = 8
+SCRIPT = [
+    {"match": "BENCH:", "samples": [["2+2 = \\boxed{4}"]]},
+    {"match": "BENCH-TURNS", "samples": [[TRUE_CALL] * TOOL_TURNS + [FINISH_CALL]]},
+]
+TOOL_TASK = {"data_source": "shell", "instruction": "BENCH-TURNS: run true.", "check": "true"}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -49,7 +57,13 @@ def percentile(values: list[float], q: float) -> float:
 def start(work: Path, model: Path, run_workers: int, delay: float) -> Stack:
     script = work / "script.jsonl"
     script.write_text("".join(json.dumps(e) + "\n" for e in SCRIPT))
-    settings = Settings(data_dir=work / f"stack-{run_workers}-{delay}", port=free_port())
+    data_dir = work / f"stack-{run_workers}-{delay}"
+    settings = Settings(
+        data_dir=data_dir,
+        port=free_port(),
+        sandbox_dir=data_dir / "sandboxes",
+        sandbox_backend="bwrap" if shutil.which("bwrap") else "local",
+    )
     options = StackOptions(
         workers={"init": 2, "run": run_workers, "eval": 2},
         dev_backend=DevBackendOptions(model_dir=model, script=script, delay=delay),
@@ -74,6 +88,27 @@ def measure_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
         "overhead_p99_ms": 1000 * percentile(overheads, 99),
         "total_p50_ms": 1000 * statistics.median(totals),
         "jobs": jobs,
+    }
+
+
+def measure_turn_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
+    """Per tool turn: its wall time minus model time and tool time (templating, the job
+    store's writes, parsing), over a scripted shell agent that calls `true` turn after turn."""
+    client.submit_rollout(TOOL_TASK, wait=True, timeout=120)
+    overheads: list[float] = []
+    for _ in range(jobs):
+        traj = client.submit_rollout(
+            TOOL_TASK, agent={"max_turns": TOOL_TURNS + 1}, wait=True, timeout=120
+        )
+        assert isinstance(traj, Trajectory) and traj.status is JobStatus.completed, traj
+        turns = traj.turns
+        for model, env in zip(turns[0::2], turns[1::2], strict=False):
+            assert model.type == "model" and env.type == "env"
+            overheads.append(model.turn_seconds - model.llm_seconds - env.tool_seconds)
+    return {
+        "turn_overhead_p50_ms": 1000 * statistics.median(overheads),
+        "turn_overhead_p99_ms": 1000 * percentile(overheads, 99),
+        "turns": len(overheads),
     }
 
 
@@ -133,6 +168,7 @@ def main() -> int:
         floor = measure_celery_floor(work, overhead_jobs)
         with start(work, model, 1, 0.0) as stack, RolloutClient(stack.gateway_url) as client:
             results.update(measure_overhead(client, overhead_jobs))
+            results.update(measure_turn_overhead(client, 5 if args.quick else 25))
         rates: dict[int, float] = {}
         for workers in (1, 2, 4):
             with (
@@ -151,6 +187,7 @@ def main() -> int:
         "backend_delay_s_for_throughput": delay,
         "batch_jobs": batch_jobs,
         "init_eval_workers": 2,
+        "tool_turn_sandbox": "bwrap" if shutil.which("bwrap") else "local",
         "cores": __import__("os").cpu_count(),
     }
 
@@ -158,6 +195,8 @@ def main() -> int:
     print(f"{'overhead per job p50 (ms)':<36}{results['overhead_p50_ms']:>12.1f}")
     print(f"{'overhead per job p99 (ms)':<36}{results['overhead_p99_ms']:>12.1f}")
     print(f"{'submit→completed p50 (ms)':<36}{results['total_p50_ms']:>12.1f}")
+    print(f"{'per tool turn overhead p50 (ms)':<36}{results['turn_overhead_p50_ms']:>12.2f}")
+    print(f"{'per tool turn overhead p99 (ms)':<36}{results['turn_overhead_p99_ms']:>12.2f}")
     print(f"{'bare Celery 3-hop chain p50 (ms)':<36}{results['celery_3hop_floor_p50_ms']:>12.1f}")
     print(f"{'overhead / Celery floor':<36}{results['overhead_vs_celery_floor']:>12.2f}")
     for workers, rate in rates.items():

@@ -24,6 +24,10 @@ from routing.vllm import VLLMClient
 _DUMMY_TEXT = "."
 _DUMMY_USER = {"role": "user", "content": _DUMMY_TEXT}
 _DUMMY_ASSISTANT = {"role": "assistant", "content": _DUMMY_TEXT}
+_PROBE = [
+    {"role": "tool", "content": "probe result"},
+    {"role": "user", "content": "probe question"},
+]
 
 
 class TemplateError(Exception):
@@ -65,6 +69,7 @@ class ChatTemplater:
     def __init__(self, client: VLLMClient) -> None:
         self.client = client
         self._pieces: dict[str, _Pieces] = {}
+        self._tools_matter: dict[str, bool] = {}
 
     async def prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -92,6 +97,16 @@ class ChatTemplater:
         conversation differently once more messages follow it.
         """
         pieces = await self._derive(tools)
+        render_with = tools if await self._tools_shape_messages(tools) else None
+        suffix = await self._rendered_after_turn(messages, render_with)
+        return self._close(last_output_ids, pieces.closing) + suffix
+
+    async def _rendered_after_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """`messages` and the generation prompt as the template renders them after an
+        assistant turn (cut out of a render of the dummy conversation followed by them)."""
+        pieces = await self._derive(tools)
         rendered = await self.client.tokenize_chat(
             [_DUMMY_USER, _DUMMY_ASSISTANT, *messages], add_generation_prompt=True, tools=tools
         )
@@ -107,7 +122,23 @@ class ChatTemplater:
                 "the chat template does not end an assistant turn the same way when more "
                 "messages follow it"
             )
-        return self._close(last_output_ids, pieces.closing) + rendered[at + len(turn_end) :]
+        return rendered[at + len(turn_end) :]
+
+    async def _tools_shape_messages(self, tools: list[dict[str, Any]] | None) -> bool:
+        """Whether the tool declarations change how later messages render.
+
+        Templates such as Qwen's put the tools in the system prompt only; then every later
+        turn can be rendered without them, which keeps each turn's render short. Decided
+        once per tool set by rendering probe messages both ways.
+        """
+        if not tools:
+            return False
+        key = _tools_key(tools)
+        if key not in self._tools_matter:
+            with_tools = await self._rendered_after_turn(_PROBE, tools)
+            without = await self._rendered_after_turn(_PROBE, None)
+            self._tools_matter[key] = with_tools != without
+        return self._tools_matter[key]
 
     @staticmethod
     def _close(output_ids: list[int], closing: list[int]) -> list[int]:

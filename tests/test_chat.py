@@ -76,6 +76,16 @@ COUNTING = """
 """
 
 
+# Renders tool results differently when tools are declared: the declarations then shape
+# later messages, so every continuation must be rendered with them.
+TOOL_AWARE = """\
+{%- for m in messages %}<|im_start|>{{ m.role }}\n
+{%- if m.role == 'tool' and tools %}[{{ tools | length }} tools] {% endif %}
+{{- m.content }}<|im_end|>\n{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}
+"""
+
+
 @pytest.fixture(scope="module")
 def servers(
     request: pytest.FixtureRequest,
@@ -89,6 +99,7 @@ def servers(
     templates = tmp_path_factory.mktemp("templates")
     (templates / "qwen3.jinja").write_text(QWEN3_LIKE)
     (templates / "counting.jinja").write_text(COUNTING)
+    (templates / "tool-aware.jinja").write_text(TOOL_AWARE)
     return start_devservers(
         request.config,
         tiny_model_dir,
@@ -97,6 +108,7 @@ def servers(
             "script": SCRIPT_SPEC,
             "qwen3-think": (SCRIPT, ["--chat-template", str(templates / "qwen3.jinja")]),
             "counting": (SCRIPT, ["--chat-template", str(templates / "counting.jinja")]),
+            "tool-aware": (SCRIPT, ["--chat-template", str(templates / "tool-aware.jinja")]),
         },
     )
 
@@ -229,3 +241,20 @@ async def test_template_that_rewrites_the_conversation_start_is_refused(
         done = await client.complete(ids, max_tokens=64)
         with pytest.raises(TemplateError, match="prefix"):
             await templater.continuation_ids(done.output_ids, [{"role": "user", "content": "?"}])
+
+
+async def test_tools_are_kept_when_they_shape_how_later_messages_render(
+    servers: dict[str, DevBackend],
+) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Count with tools: 1+2?"}]
+    tool_result = [{"role": "tool", "content": "3"}]
+    async with servers["tool-aware"].client() as client:
+        templater = ChatTemplater(client)
+        ids = await templater.prompt_ids(messages, tools=TOOLS)
+        done = await client.complete(ids, max_tokens=64, seed=0)
+        continued = await templater.continuation_ids(done.output_ids, tool_result, TOOLS)
+        whole = [*messages, {"role": "assistant", "content": text_of(done)}, *tool_result]
+        rendered = await client.tokenize_chat(whole, add_generation_prompt=True, tools=TOOLS)
+        shown = await client.detokenize(continued)
+    assert ids + done.output_ids + continued == rendered
+    assert "[1 tools] 3" in shown

@@ -105,7 +105,7 @@ async def run_episode(
             return Episode(builder, "context_length", truncated=True)
         max_tokens = min(limits.max_tokens, budget_left, room)
 
-        started = time.perf_counter()
+        turn_started = started = time.perf_counter()
         completion = await policy.complete(
             builder.sequence,
             max_tokens=max_tokens,
@@ -116,7 +116,7 @@ async def run_episode(
         )
         llm_seconds = time.perf_counter() - started
         parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
-        builder.add_model_turn(
+        model_turn = builder.add_model_turn(
             completion.output_ids,
             completion.logprobs,
             completion.text,
@@ -158,6 +158,7 @@ async def run_episode(
             text="\n".join(str(m.get("content", "")) for m in replies),
             tool_seconds=step_seconds,
         )
+        model_turn.turn_seconds = time.perf_counter() - turn_started
         on_turn(builder)
     return Episode(builder, "max_turns", truncated=False)
 
