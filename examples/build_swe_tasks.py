@@ -41,6 +41,9 @@ GIT_ENV = {
     "LC_ALL": "C",
 }
 CREATED_AT = "2024-05-01T12:00:00Z"
+SEMVER_REPRODUCTION = (
+    'python -c \'from semverlite import compare; print(compare("1.10.0", "1.9.0"))\''
+)
 VERSION = "0.1"
 
 
@@ -285,8 +288,7 @@ EXAMPLES: tuple[Example, ...] = (
         wrong=(
             Edit(
                 "semverlite/compare.py",
-                '    return tuple(core.split(".")), version.prerelease == "", '
-                "version.prerelease\n",
+                '    return tuple(core.split(".")), version.prerelease == "", version.prerelease\n',
                 '    parts = tuple(part.zfill(2) for part in core.split("."))\n'
                 '    return parts, version.prerelease == "", version.prerelease\n',
             ),
@@ -313,10 +315,8 @@ EXAMPLES: tuple[Example, ...] = (
             "tests/test_version.py::test_parse_prerelease_with_v_prefix",
         ),
         gold_by="editor",
-        explore=(
-            'python -c \'from semverlite import compare; print(compare("1.10.0", "1.9.0"))\''
-        ),
-        check='python -c \'from semverlite import compare; print(compare("1.10.0", "1.9.0"))\'',
+        explore=SEMVER_REPRODUCTION,
+        check=SEMVER_REPRODUCTION,
     ),
 )
 
@@ -361,7 +361,7 @@ def staged_diff(repo: Path) -> str:
 
 
 def copy_sources(source: Path, target: Path) -> None:
-    """Copy the example's files (readable by every sandbox uid, none executable)."""
+    """Copy the example's files, none of them executable (git records the mode)."""
     if target.exists():
         shutil.rmtree(target)
     for path in sorted(source.rglob("*")):
@@ -375,10 +375,6 @@ def copy_sources(source: Path, target: Path) -> None:
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(path.read_bytes())
             destination.chmod(0o644)
-    target.chmod(0o755)
-    for directory in target.rglob("*"):
-        if directory.is_dir():
-            directory.chmod(0o755)
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -401,7 +397,17 @@ def build_repository(example: Example, repos: Path) -> tuple[Path, str, str, str
         old = path.read_text(encoding="utf-8") if path.exists() else ""
         path.write_text(old + added, encoding="utf-8")
     test_patch = staged_diff(repo)
+    make_readable(repo)
     return repo, base_commit, patch, test_patch
+
+
+def make_readable(repo: Path) -> None:
+    """Let every uid read the repository, git's own files included (sandboxes clone it
+    under a uid of their own, whatever the umask was)."""
+    for path in [repo, *repo.rglob("*")]:
+        if not path.is_symlink():
+            extra = 0o555 if path.is_dir() else 0o444
+            path.chmod(path.stat().st_mode | extra)
 
 
 def task_record(

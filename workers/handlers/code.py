@@ -43,8 +43,8 @@ is spent).
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
+import functools
 import io
 import json
 import math
@@ -64,6 +64,7 @@ from sandbox.backends import get_backend
 from sandbox.base import (
     Limits,
     Sandbox,
+    SandboxBackend,
     SandboxError,
     SandboxSpec,
     chown_tree,
@@ -99,6 +100,8 @@ DEFAULT_MEMORY_MB = 512
 MIN_MEMORY_MB = 64
 """Less address space than this does not start the interpreter reliably."""
 FLOAT_TOLERANCE = 1e-6
+MAX_UNPACKED = 256 << 20
+"""Largest packed LiveCodeBench test data unpacked (a small body could inflate to gigabytes)."""
 """Largest absolute or relative difference of two matching non-integer numbers."""
 
 RewardMode = Literal["all", "fraction"]
@@ -255,11 +258,11 @@ def _text(value: Any, where: str) -> str:
     raise TaskValidationError(where, "must be a string (or a list of lines)")
 
 
-def _apps_call(fn_name: str, args: Any, output: Any, where: str) -> CallTest:
+def _apps_call(fn_name: str, args: Any, output: Any, args_where: str) -> CallTest:
     if isinstance(args, str):
-        args = _json_field(args, f"{where}.input")
+        args = _json_field(args, args_where)
     if not isinstance(args, list):
-        raise TaskValidationError(f"{where}.input", "must be the list of arguments")
+        raise TaskValidationError(args_where, "must be the list of arguments")
     # APPS stores a return value either as is or wrapped in a one-element list.
     expected = [output]
     if isinstance(output, list) and output:
@@ -336,7 +339,7 @@ def _test_item(item: Any, where: str, task_fn_name: str | None) -> TestCase:
         return _lcb_call(fn_name, item["input"], item["output"], where)
     if kind == "function_call" or item_fn is not None:  # PrimeIntellect: APPS-style values
         fn_name = _fn_name(item_fn or task_fn_name, f"{where}.fn_name")
-        return _apps_call(fn_name, item["input"], item["output"], where)
+        return _apps_call(fn_name, item["input"], item["output"], f"{where}.input")
     return StdioTest(
         _text(item["input"], f"{where}.input"), _text(item["output"], f"{where}.output")
     )
@@ -376,16 +379,25 @@ def _lcb_cases(value: Any, where: str) -> list[Any]:
         try:
             value = json.loads(value)
         except ValueError:
-            try:
-                packed = zlib.decompress(base64.b64decode(value.encode(), validate=True))
-                value = json.loads(_StringsOnly(io.BytesIO(packed)).load())
-            except (binascii.Error, zlib.error, pickle.UnpicklingError, ValueError, TypeError):
-                raise TaskValidationError(where, "is neither JSON nor packed test cases") from None
-            except Exception:
-                raise TaskValidationError(where, "cannot be unpacked") from None
+            value = _unpack_lcb(value, where)
     if not isinstance(value, list):
         raise TaskValidationError(where, "must be a list of test cases")
     return value
+
+
+def _unpack_lcb(text: str, where: str) -> Any:
+    """Test cases packed as LiveCodeBench packs them: base64 of zlib of a pickled JSON text."""
+    inflater = zlib.decompressobj()
+    try:
+        packed = inflater.decompress(base64.b64decode(text.encode(), validate=True), MAX_UNPACKED)
+    except (ValueError, zlib.error):
+        raise TaskValidationError(where, "is neither JSON nor packed test cases") from None
+    if inflater.unconsumed_tail:
+        raise TaskValidationError(where, f"unpacks to more than {MAX_UNPACKED} bytes")
+    try:
+        return json.loads(_StringsOnly(io.BytesIO(packed)).load())
+    except Exception:  # a malformed pickle fails in many ways; they all mean the same here
+        raise TaskValidationError(where, "holds packed data that is not test cases") from None
 
 
 def _lcb_tests(task: dict[str, Any], fn_name: str | None) -> list[TestCase]:
@@ -472,12 +484,13 @@ def tokens_match(got: str, expected: str) -> bool:
         return False
     if _INTEGER.fullmatch(got) and _INTEGER.fullmatch(expected):
         return _integer_key(got) == _integer_key(expected)
-    return _numbers_close(float(got), float(expected))
+    # Tokens too large for a float ("1e999") only match when written the same.
+    return _numbers_close(float(got), float(expected), infinite_equal=False)
 
 
-def _numbers_close(got: float, expected: float) -> bool:
+def _numbers_close(got: float, expected: float, *, infinite_equal: bool = True) -> bool:
     if not (math.isfinite(got) and math.isfinite(expected)):
-        return got == expected
+        return infinite_equal and got == expected
     return abs(got - expected) <= FLOAT_TOLERANCE * max(1.0, abs(expected))
 
 
@@ -496,7 +509,10 @@ def values_match(got: Any, expected: Any) -> bool:
     if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
         if isinstance(got, int) and isinstance(expected, int):
             return got == expected
-        return _numbers_close(float(got), float(expected))
+        try:
+            return _numbers_close(float(got), float(expected))
+        except OverflowError:  # an integer beyond any float
+            return False
     if isinstance(got, list) and isinstance(expected, list):
         return len(got) == len(expected) and all(
             values_match(g, e) for g, e in zip(got, expected, strict=True)
@@ -726,12 +742,7 @@ HARNESS_MEMORY = 256 << 20
 
 # Extra environment of the programs under test: BLAS pools of one thread, so that numpy
 # stays inside the address-space limit.
-PROGRAM_ENV = {
-    "OPENBLAS_NUM_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "LANG": "C.UTF-8",
-}
+PROGRAM_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -885,15 +896,17 @@ def run_tests(
         lease_seconds=budget_seconds + 120.0,
     )
     results: dict[int, TestResult] = {}
+    budget_spent = False
     box: Sandbox | None = None
     try:
-        box = get_backend(where.backend).create(spec, where.state_root)
+        box = _backend(where.backend).create(spec, where.state_root)
         _write_inputs(box, program, task)
         box.start(tool_server=False)
         pending = list(range(len(task.tests)))
         while pending:
             remaining = deadline - time.monotonic()
             if remaining < min(task.time_limit, 1.0):
+                budget_spent = True
                 break
             ran = _harness_run(box, task, pending, caps, remaining, stop_at_first_failure)
             results.update(ran)
@@ -904,13 +917,18 @@ def run_tests(
     finally:
         if box is not None:
             box.stop()
-    budget_spent = time.monotonic() >= deadline - min(task.time_limit, 1.0)
     for index, test in enumerate(task.tests):
         if index not in results:
             kind: Literal["stdio", "call"] = "stdio" if isinstance(test, StdioTest) else "call"
             why = "the grading time budget was spent" if budget_spent else "an earlier test failed"
             results[index] = TestResult(index, kind, "skipped", message=why)
     return [results[i] for i in range(len(task.tests))]
+
+
+@functools.cache
+def _backend(name: str) -> SandboxBackend:
+    """One backend object per name, so `auto` probes this host once, not once per grade."""
+    return get_backend(name)
 
 
 def _write_inputs(box: Sandbox, program: str, task: CodeTask) -> None:

@@ -12,15 +12,19 @@ import threading
 from importlib.metadata import entry_points
 
 from workers.handlers.base import Handler
+from workers.handlers.code import CodeHandler
 from workers.handlers.math import MathHandler
 from workers.handlers.shell import ShellHandler
 from workers.handlers.stem import StemHandler
+from workers.handlers.swe import SweHandler
 
 ENTRY_POINT_GROUP = "rollserve.handlers"
 BUILTIN_HANDLERS: dict[str, type[Handler]] = {
+    CodeHandler.name: CodeHandler,
     MathHandler.name: MathHandler,
     ShellHandler.name: ShellHandler,
     StemHandler.name: StemHandler,
+    SweHandler.name: SweHandler,
 }
 
 logger = logging.getLogger(__name__)
