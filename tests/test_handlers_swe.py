@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from broker.settings import get_settings
 from sandbox.base import remove_tree
 from sandbox.bwrap import BubblewrapBackend
 from sandbox.keeper import launch, release
@@ -82,7 +83,9 @@ def sandbox_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("ROLLSERVE_SANDBOX_BACKEND", "bwrap")
     monkeypatch.setenv("ROLLSERVE_SANDBOX_DIR", str(root))
     monkeypatch.setenv("ROLLSERVE_TOOL_TIMEOUT", "60")
+    get_settings.cache_clear()  # the settings are read once per process
     yield root
+    get_settings.cache_clear()
     left = [p for p in (root / GRADING_DIR).glob("*") if not p.name.startswith(".")]
     remove_tree(root)
     assert left == [], f"grading boxes left behind: {left}"
@@ -169,10 +172,14 @@ def test_a_bad_field_is_named(built: dict[str, dict[str, Any]], field: str, corr
 
 
 def test_an_image_environment_needs_no_host_repository(built: dict[str, dict[str, Any]]) -> None:
-    task = read_task({**built["textkit"], "environment": {"image": "docker://swebench/x"}})
-    assert task.source == "/testbed"
-    assert task.host_repo is None
-    assert task.test_cmd == "python -m pytest -rA"
+    task = {**built["textkit"], "environment": {"image": "docker://swebench/x"}}
+    parsed = read_task(task)
+    assert parsed.source == "/testbed"
+    assert parsed.test_cmd == "python -m pytest -rA"
+    spec = HANDLER.sandbox_spec(task, "job-1")
+    assert spec.root == "docker://swebench/x"
+    assert spec.binds == []
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD" not in spec.env
 
 
 def test_the_prompt_gives_the_issue_and_where_the_repository_is(

@@ -30,6 +30,7 @@ given as `repo_path` should hold no commit past `base_commit`.
 from __future__ import annotations
 
 import base64
+import binascii
 import importlib
 import json
 import os
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from broker.settings import get_settings
 from sandbox.backends import get_backend
 from sandbox.base import DEFAULT_PATH, WORKSPACE_INSIDE, Bind, ExecResult, Sandbox, SandboxSpec
 from sandbox.reaper import reap
@@ -220,7 +222,7 @@ def read_task(task: dict[str, Any]) -> SweTask:
     if eval_type is not None and eval_type not in _EVAL_TYPES:
         raise TaskValidationError("eval_type", f"must be one of {', '.join(_EVAL_TYPES)}")
 
-    default_python = python is None
+    default_python = python is None and image is None
     if python is None:
         python = "python" if image is not None else sys.executable
     return SweTask(
@@ -458,7 +460,6 @@ def _combined(result: ExecResult) -> str:
 
 class _Clock:
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
         self.deadline = time.monotonic() + seconds
 
     def left(self) -> float:
@@ -561,6 +562,7 @@ def evaluate(task: SweTask, patch: str, *, backend: str, state_root: Path, timeo
                 details.update(
                     resolution="RESOLVED_NO",
                     reason=f"the patch does not apply: {applied.why_not}",
+                    tests_ran=False,
                     FAIL_TO_PASS={"success": [], "failure": task.fail_to_pass},
                     PASS_TO_PASS={"success": [], "failure": task.pass_to_pass},
                 )
@@ -599,8 +601,6 @@ def _finish(details: dict[str, Any], reward: float, started: float) -> Grade:
 
 
 def _budget(task: SweTask) -> float:
-    from broker.settings import get_settings
-
     return task.timeout if task.timeout is not None else get_settings().tool_timeout
 
 
@@ -686,7 +686,10 @@ class SweHandler(Handler):
                 ),
                 timeout=budget,
             )
-            piece = base64.b64decode("".join(str(chunk.get("output", "")).split()))
+            try:
+                piece = base64.b64decode("".join(str(chunk.get("output", "")).split()))
+            except binascii.Error:
+                piece = b""
             if chunk.get("exit_code") != 0 or not piece:
                 return {"patch": "", "changed_files": [], "error": "could not read the patch"}
             data += piece
@@ -705,15 +708,17 @@ class SweHandler(Handler):
         """Grade `outcome["patch"]` in a fresh box (see `evaluate`); the sandbox backend and
         directory are the settings', the time budget the task's `timeout` or the
         `tool_timeout` setting."""
-        from broker.settings import get_settings
-
         parsed = read_task(task)
         patch = str((outcome or {}).get("patch") or "")
         settings = get_settings()
-        return evaluate(
+        result = evaluate(
             parsed,
             patch,
             backend=settings.sandbox_backend,
             state_root=settings.sandbox_dir.resolve() / GRADING_DIR,
             timeout=_budget(parsed),
         )
+        error = (outcome or {}).get("error")
+        if error:
+            result.details["outcome_error"] = error
+        return result
