@@ -174,6 +174,20 @@ def required_text(task: Mapping[str, Any], key: str) -> str:
     """`task[key]` as a non-blank string, or a `TaskValidationError` naming `key`."""
     if key not in task or task[key] is None:
         raise TaskValidationError(key, "is required")
+    return _text_field(task, key)
+
+
+def first_text(task: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of `keys` present in `task`, as a non-blank string; the error names the key
+    that is wrong, or the first key (with the others as alternatives) when none is present."""
+    for key in keys:
+        if task.get(key) is not None:
+            return _text_field(task, key)
+    others = ", ".join(keys[1:])
+    raise TaskValidationError(keys[0], f"is required (or {others})" if others else "is required")
+
+
+def _text_field(task: Mapping[str, Any], key: str) -> str:
     value = task[key]
     if not isinstance(value, str):
         raise TaskValidationError(key, f"must be a string, not {type(value).__name__}")

@@ -79,6 +79,7 @@ from workers.handlers.base import (
     StepResult,
     TaskValidationError,
     ToolSession,
+    first_text,
     visible_text,
 )
 
@@ -165,15 +166,7 @@ def read_task(task: dict[str, Any]) -> CodeTask:
 
 
 def _problem_text(task: dict[str, Any]) -> str:
-    for key in PROBLEM_FIELDS:
-        if task.get(key) is not None:
-            value = task[key]
-            if not isinstance(value, str):
-                raise TaskValidationError(key, f"must be a string, not {type(value).__name__}")
-            if not value.strip():
-                raise TaskValidationError(key, "must not be blank")
-            return value
-    raise TaskValidationError("problem", "is required (or question_content, question, description)")
+    return first_text(task, PROBLEM_FIELDS)
 
 
 def _positive_number(value: Any, where: str) -> float:

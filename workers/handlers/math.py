@@ -32,6 +32,7 @@ from workers.handlers.base import (
     TaskValidationError,
     ToolSession,
     find_boxed,
+    first_text,
     visible_text,
 )
 
@@ -152,15 +153,7 @@ def gold_answer(task: dict[str, Any]) -> str:
 
 def problem_text(task: dict[str, Any]) -> str:
     """The problem statement: `problem`, `question` or `prompt`, the first one present."""
-    for key in PROBLEM_FIELDS:
-        if task.get(key) is not None:
-            value = task[key]
-            if not isinstance(value, str):
-                raise TaskValidationError(key, f"must be a string, not {type(value).__name__}")
-            if not value.strip():
-                raise TaskValidationError(key, "must not be blank")
-            return value
-    raise TaskValidationError("problem", "is required (or question, or prompt)")
+    return first_text(task, PROBLEM_FIELDS)
 
 
 # ----------------------------------------------------------------------------- checking
