@@ -78,9 +78,20 @@ def pin_to_sandbox_node(task: Task, rt: Runtime, job_id: str) -> None:
             link.setdefault("options", {})["queue"] = node_queue(stage, node)
 
 
+def consumes_eval(worker: Any) -> bool:
+    """Whether a starting worker will take EVAL tasks (True when it cannot tell)."""
+    try:
+        queues = worker.app.amqp.queues.consume_from
+    except AttributeError:
+        return True
+    return not queues or any(q == "eval" or str(q).startswith("eval.") for q in queues)
+
+
 @worker_init.connect
-def warm_handlers(**_: Any) -> None:
-    """Load every handler and what its grading needs once, before the pool forks."""
+def warm_handlers(sender: Any = None, **_: Any) -> None:
+    """Load what grading needs once, before the pool forks, on workers that grade."""
+    if not consumes_eval(sender):
+        return
     for name in known_handlers():
         try:
             get_handler(name).warm_up()
