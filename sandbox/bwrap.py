@@ -110,10 +110,11 @@ def filesystem_args(
         cover = [h for h in hidden if not fresh(h) and h not in nested]
     top_cover = {h for h in cover if h.count("/") == 1}
     if root is None:
+        # A path under /tmp, /dev or /proc is not "visible anyway": the box gets fresh ones.
         mounts = [
             m for m in mounts
             if m.writable or m.inside != m.source or _under(m.inside, cover)
-            or not os.path.exists(m.inside)
+            or fresh(m.inside) or not os.path.exists(m.inside)
         ]  # fmt: skip
     mount_points = {m.inside for m in mounts}
 
