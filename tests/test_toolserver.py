@@ -275,10 +275,15 @@ def test_server_exits_when_its_parent_dies(tmp_path: Path) -> None:
 def test_server_inside_bubblewrap_answers_from_outside(
     start_toolserver: StartToolServer,
 ) -> None:
+    # The service's environment is bound back over the box's fresh /tmp, where a checkout
+    # and its venv may live.
+    service = [str(Path(p).resolve()) for p in (sys.prefix, Path(__file__).parents[1])]
+
     def bwrap(sockdir: Path, work: Path) -> list[str]:
         return [
             *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"),
             *("--tmpfs", "/tmp", "--bind", str(sockdir), str(sockdir)),
+            *(arg for path in service for arg in ("--ro-bind", path, path)),
             *("--unshare-all", "--die-with-parent", "--"),
             *(sys.executable, "-m", "sandbox.toolserver", "--socket", f"{sockdir}/tools.sock"),
         ]
