@@ -170,24 +170,24 @@ def _result_line(line: str, status_code: int) -> Trajectory | None:
     return Trajectory.model_validate(data)
 
 
-def _rollout_body(task: TaskLike, sampling: SamplingLike, agent: AgentLike) -> dict[str, Any]:
-    body: dict[str, Any] = {"task": _dump(task)}
+def _with_params(body: dict[str, Any], sampling: SamplingLike, agent: AgentLike) -> dict[str, Any]:
+    """`body` with the sampling and agent parameters that were given."""
     if sampling is not None:
         body["sampling"] = _dump(sampling)
     if agent is not None:
         body["agent"] = _dump(agent)
     return body
+
+
+def _rollout_body(task: TaskLike, sampling: SamplingLike, agent: AgentLike) -> dict[str, Any]:
+    return _with_params({"task": _dump(task)}, sampling, agent)
 
 
 def _batch_body(
     tasks: Sequence[TaskLike], group_size: int, sampling: SamplingLike, agent: AgentLike
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"tasks": [_dump(t) for t in tasks], "group_size": group_size}
-    if sampling is not None:
-        body["sampling"] = _dump(sampling)
-    if agent is not None:
-        body["agent"] = _dump(agent)
-    return body
+    body = {"tasks": [_dump(t) for t in tasks], "group_size": group_size}
+    return _with_params(body, sampling, agent)
 
 
 def _backend_body(

@@ -228,17 +228,7 @@ class ApptainerSandbox(ProcessSandbox):
             command = launcher_argv(
                 self.python, self._limits(), self._main_command(True), self.info.uid
             )
-            argv, env = self._host_process(command, self._box_env(None), None)
-            with open(self.state_dir / "box.log", "ab") as box_log:
-                self._main = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=box_log,
-                    stderr=box_log,
-                    env=env,
-                    cwd=self._host_cwd(),
-                    start_new_session=True,
-                )
+            self._main = self._spawn_main(command, None)
 
     def alive(self) -> bool:
         if self._stopped or not self._instance_up:

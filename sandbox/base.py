@@ -886,24 +886,28 @@ class ProcessSandbox(Sandbox):
             return []
         return toolserver_argv(self.python, self._socket_inside(), self._workdir_inside())
 
+    def _spawn_main(self, command: list[str], ready_fd: int | None) -> subprocess.Popen[bytes]:
+        """Start the box's long-lived process (`command` inside it), logging to box.log."""
+        argv, env = self._host_process(command, self._box_env(None), ready_fd)
+        with open(self.state_dir / "box.log", "ab") as box_log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=box_log,
+                stderr=box_log,
+                env=env,
+                cwd=self._host_cwd(),
+                start_new_session=True,
+                pass_fds=() if ready_fd is None else (ready_fd,),
+            )
+
     def _launch_main(self, tool_server: bool, deadline: float) -> None:
         read_fd, write_fd = os.pipe() if self._passes_ready_fd() else (None, None)
         command = launcher_argv(
             self.python, self._limits(), self._main_command(tool_server), self.info.uid, write_fd
         )
         try:
-            argv, env = self._host_process(command, self._box_env(None), write_fd)
-            with open(self.state_dir / "box.log", "ab") as box_log:
-                self._main = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=box_log,
-                    stderr=box_log,
-                    env=env,
-                    cwd=self._host_cwd(),
-                    start_new_session=True,
-                    pass_fds=() if write_fd is None else (write_fd,),
-                )
+            self._main = self._spawn_main(command, write_fd)
         finally:
             if write_fd is not None:
                 os.close(write_fd)
