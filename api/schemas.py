@@ -127,6 +127,13 @@ class BackendSpec(BaseModel):
     """Stable id; derived from the URL when absent."""
     policy_version: int | None = None
     """Version of the weights this server holds; copied into trajectories."""
+    api: Literal["completions", "generate"] = "completions"
+    """vLLM only: `completions` speaks `/v1/completions` (token ids in, `return_token_ids`),
+    `generate` speaks `/inference/v1/generate` (tokens in, tokens out). SGLang always speaks
+    its native `/generate`."""
+    capacity: float = Field(default=1.0, gt=0.0, le=1e6)
+    """Relative capacity (e.g. GPUs or batch slots): a backend with capacity 2 is assigned
+    twice the jobs of one with capacity 1 before it counts as equally loaded."""
 
 
 # ----------------------------------------------------------------------------- responses
@@ -149,8 +156,17 @@ class Backend(BaseModel):
     kind: Literal["vllm", "sglang"]
     model: str
     policy_version: int | None = None
+    api: Literal["completions", "generate"] = "completions"
+    capacity: float = 1.0
     in_flight: int = 0
     """Jobs currently holding this backend."""
+    state: Literal["healthy", "draining", "dead"] = "healthy"
+    """`healthy` takes jobs; `draining` takes none and lets running requests finish;
+    `dead` failed its health checks (or a request) and is re-admitted when it answers."""
+    idle: bool = True
+    """No job holds it: after a drain, the moment weights can be swapped."""
+    failures: int = 0
+    """Consecutive failed health checks."""
     registered_at: float
 
 
