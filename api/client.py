@@ -42,6 +42,8 @@ M = TypeVar("M", bound=BaseModel)
 SamplingLike = Mapping[str, Any] | SamplingParams | None
 AgentLike = Mapping[str, Any] | AgentParams | None
 TaskLike = Mapping[str, Any] | Task
+DynamicLike = Mapping[str, Any] | BaseModel | None
+"""`dynamic_sampling` of a batch: `{"target_groups", ...}` or `api.schemas.DynamicSampling`."""
 
 
 class RolloutServiceError(RuntimeError):
@@ -184,21 +186,55 @@ def _rollout_body(task: TaskLike, sampling: SamplingLike, agent: AgentLike) -> d
 
 
 def _batch_body(
-    tasks: Sequence[TaskLike], group_size: int, sampling: SamplingLike, agent: AgentLike
+    tasks: Sequence[TaskLike],
+    group_size: int,
+    sampling: SamplingLike,
+    agent: AgentLike,
+    dynamic_sampling: DynamicLike = None,
 ) -> dict[str, Any]:
-    body = {"tasks": [_dump(t) for t in tasks], "group_size": group_size}
+    body: dict[str, Any] = {"tasks": [_dump(t) for t in tasks], "group_size": group_size}
+    if dynamic_sampling is not None:
+        body["dynamic_sampling"] = _dump(dynamic_sampling)
     return _with_params(body, sampling, agent)
 
 
 def _backend_body(
-    url: str, model: str, kind: str, id: str | None, policy_version: int | None
+    url: str,
+    model: str,
+    kind: str,
+    id: str | None,
+    policy_version: int | None,
+    api: str | None = None,
+    capacity: float | None = None,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"url": url, "model": model, "kind": kind}
-    if id is not None:
-        body["id"] = id
-    if policy_version is not None:
-        body["policy_version"] = policy_version
+    optional = {
+        "id": id,
+        "policy_version": policy_version,
+        "api": api,
+        "capacity": capacity,
+        "tokenizer": tokenizer,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
     return body
+
+
+def _drain_path(backend_id: str | None, action: str) -> str:
+    """`/v1/backends/{id}/{action}`, or `/v1/backends/{action}` for every backend."""
+    if backend_id is None:
+        return f"/v1/backends/{action}"
+    return f"/v1/backends/{_seg(backend_id)}/{action}"
+
+
+def _resume_body(policy_version: int | None) -> dict[str, Any]:
+    return {} if policy_version is None else {"policy_version": policy_version}
+
+
+def _backend_or_list(response: httpx.Response) -> Backend | list[Backend]:
+    if isinstance(response.json(), list):
+        return _parse_backends(response)
+    return _parse(Backend, response)
 
 
 def _wait_params(wait: bool, timeout: float | None) -> dict[str, str]:
@@ -326,11 +362,14 @@ class RolloutClient(_Base):
         group_size: int = 1,
         sampling: SamplingLike = None,
         agent: AgentLike = None,
+        dynamic_sampling: DynamicLike = None,
     ) -> BatchAccepted:
-        """``POST /v1/batches``: every task becomes ``group_size`` jobs; returns their ids."""
-        response = self._request(
-            "POST", "/v1/batches", json=_batch_body(tasks, group_size, sampling, agent)
-        )
+        """``POST /v1/batches``: every task becomes ``group_size`` jobs; returns their ids.
+
+        With ``dynamic_sampling`` the tasks are a pool that groups are drawn from until
+        ``target_groups`` informative groups are complete; the ids are the first groups'."""
+        body = _batch_body(tasks, group_size, sampling, agent, dynamic_sampling)
+        response = self._request("POST", "/v1/batches", json=body)
         return _parse(BatchAccepted, response)
 
     def batch_progress(self, batch_id: str) -> BatchProgress:
@@ -373,13 +412,16 @@ class RolloutClient(_Base):
         id: str | None = None,
         policy_version: int | None = None,
         verify: bool = True,
+        api: str | None = None,
+        capacity: float | None = None,
+        tokenizer: str | None = None,
     ) -> Backend:
         """``POST /v1/backends``: add (or update) an inference server.
 
         The gateway checks that the server answers and serves ``model`` unless ``verify`` is
         False (for a server that is still starting).
         """
-        body = _backend_body(url, model, kind, id, policy_version)
+        body = _backend_body(url, model, kind, id, policy_version, api, capacity, tokenizer)
         params = {} if verify else {"verify": "false"}
         return _parse(Backend, self._request("POST", "/v1/backends", json=body, params=params))
 
@@ -390,6 +432,24 @@ class RolloutClient(_Base):
     def remove_backend(self, backend_id: str) -> None:
         """``DELETE /v1/backends/{backend_id}``."""
         self._request("DELETE", f"/v1/backends/{_seg(backend_id)}")
+
+    def drain_backend(
+        self, backend_id: str | None = None, wait: float = 0.0
+    ) -> Backend | list[Backend]:
+        """``POST /v1/backends/{id}/drain`` (every backend when ``backend_id`` is None):
+        nothing new is assigned, running requests finish. With ``wait``, answers once idle
+        (``idle`` says whether it is)."""
+        path = _drain_path(backend_id, "drain")
+        response = self._request("POST", path, params={"wait": repr(float(wait))})
+        return _backend_or_list(response)
+
+    def resume_backend(
+        self, backend_id: str | None = None, policy_version: int | None = None
+    ) -> Backend | list[Backend]:
+        """``POST /v1/backends/{id}/resume`` (every backend when ``backend_id`` is None),
+        optionally announcing the policy version the weights now are."""
+        path = _drain_path(backend_id, "resume")
+        return _backend_or_list(self._request("POST", path, json=_resume_body(policy_version)))
 
 
 class AsyncRolloutClient(_Base):
@@ -468,11 +528,11 @@ class AsyncRolloutClient(_Base):
         group_size: int = 1,
         sampling: SamplingLike = None,
         agent: AgentLike = None,
+        dynamic_sampling: DynamicLike = None,
     ) -> BatchAccepted:
         """``POST /v1/batches``."""
-        response = await self._request(
-            "POST", "/v1/batches", json=_batch_body(tasks, group_size, sampling, agent)
-        )
+        body = _batch_body(tasks, group_size, sampling, agent, dynamic_sampling)
+        response = await self._request("POST", "/v1/batches", json=body)
         return _parse(BatchAccepted, response)
 
     async def batch_progress(self, batch_id: str) -> BatchProgress:
@@ -511,9 +571,12 @@ class AsyncRolloutClient(_Base):
         id: str | None = None,
         policy_version: int | None = None,
         verify: bool = True,
+        api: str | None = None,
+        capacity: float | None = None,
+        tokenizer: str | None = None,
     ) -> Backend:
         """``POST /v1/backends``; see `RolloutClient.register_backend`."""
-        body = _backend_body(url, model, kind, id, policy_version)
+        body = _backend_body(url, model, kind, id, policy_version, api, capacity, tokenizer)
         params = {} if verify else {"verify": "false"}
         response = await self._request("POST", "/v1/backends", json=body, params=params)
         return _parse(Backend, response)
@@ -525,3 +588,19 @@ class AsyncRolloutClient(_Base):
     async def remove_backend(self, backend_id: str) -> None:
         """``DELETE /v1/backends/{backend_id}``."""
         await self._request("DELETE", f"/v1/backends/{_seg(backend_id)}")
+
+    async def drain_backend(
+        self, backend_id: str | None = None, wait: float = 0.0
+    ) -> Backend | list[Backend]:
+        """``POST /v1/backends/{id}/drain``; see `RolloutClient.drain_backend`."""
+        path = _drain_path(backend_id, "drain")
+        response = await self._request("POST", path, params={"wait": repr(float(wait))})
+        return _backend_or_list(response)
+
+    async def resume_backend(
+        self, backend_id: str | None = None, policy_version: int | None = None
+    ) -> Backend | list[Backend]:
+        """``POST /v1/backends/{id}/resume``; see `RolloutClient.resume_backend`."""
+        path = _drain_path(backend_id, "resume")
+        response = await self._request("POST", path, json=_resume_body(policy_version))
+        return _backend_or_list(response)

@@ -86,9 +86,17 @@ class RolloutCollector(Collector):
         in_flight = GaugeMetricFamily(
             "rollserve_backend_in_flight", "Jobs holding each backend", labels=["backend"]
         )
-        for backend, count in self.svc.pool.in_flight().items():
-            in_flight.add_metric([backend], count)
+        states = GaugeMetricFamily(
+            "rollserve_backend_state",
+            "1 for each backend's state: healthy, draining or dead",
+            labels=["backend", "state"],
+        )
+        for backend in self.svc.pool.list():
+            in_flight.add_metric([backend.id], backend.in_flight)
+            for state in ("healthy", "draining", "dead"):
+                states.add_metric([backend.id, state], 1.0 if backend.state == state else 0.0)
         yield in_flight
+        yield states
         durations = HistogramMetricFamily(
             "rollserve_stage_duration_seconds", "Seconds jobs spent in each stage", labels=["stage"]
         )

@@ -93,11 +93,23 @@ class RolloutRequest(BaseModel):
 
 
 class DynamicSampling(BaseModel):
-    """DAPO dynamic sampling options of a batch."""
+    """DAPO dynamic sampling options of a batch: the batch's tasks are a pool from which groups
+    are drawn until `target_groups` informative groups (not all rewards equal) are complete."""
 
     model_config = ConfigDict(extra="forbid")
 
     target_groups: int = Field(ge=1)
+    """Informative groups to return; at most the number of tasks in the pool."""
+    group_size: int | None = Field(default=None, ge=2, le=1024)
+    """Jobs per group; the batch's `group_size` when absent. Given both, they must agree."""
+    max_inflight_groups: int | None = Field(default=None, ge=1, le=100_000)
+    """Groups kept in flight at once; `target_groups` when absent."""
+    max_attempts_per_task: int = Field(default=1, ge=1, le=100)
+    """Draws of one task: a task whose group was set aside (uniform rewards, a failed job) is
+    drawn again, with fresh seeds, until it has had this many."""
+    early_cancel: bool = True
+    """Cancel every unfinished job once the target is met (false: let them finish and
+    discard them, a baseline for `bench/dapo.py`)."""
 
 
 class BatchRequest(BaseModel):
@@ -110,7 +122,7 @@ class BatchRequest(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     agent: AgentParams = Field(default_factory=AgentParams)
     dynamic_sampling: DynamicSampling | None = None
-    """Not available in this version: a non-null value is refused with a 422."""
+    """DAPO dynamic sampling over the tasks as a pool (see `DynamicSampling`)."""
 
 
 class BackendSpec(BaseModel):
@@ -134,6 +146,19 @@ class BackendSpec(BaseModel):
     capacity: float = Field(default=1.0, gt=0.0, le=1e6)
     """Relative capacity (e.g. GPUs or batch slots): a backend with capacity 2 is assigned
     twice the jobs of one with capacity 1 before it counts as equally loaded."""
+    tokenizer: str | None = Field(default=None, min_length=1, max_length=1024)
+    """SGLang only: the Hugging Face tokenizer (a path on the workers, or a hub name they can
+    load) that renders chat templates, since SGLang's `/tokenize` cannot; `model` when
+    absent. vLLM renders through its own `/tokenize`."""
+
+
+class ResumeRequest(BaseModel):
+    """Body of `POST /v1/backends/{id}/resume` and `POST /v1/backends/resume` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy_version: int | None = None
+    """The version of the weights the backend now holds; every later turn records it."""
 
 
 # ----------------------------------------------------------------------------- responses
@@ -158,6 +183,7 @@ class Backend(BaseModel):
     policy_version: int | None = None
     api: Literal["completions", "generate"] = "completions"
     capacity: float = 1.0
+    tokenizer: str | None = None
     in_flight: int = 0
     """Jobs currently holding this backend."""
     state: Literal["healthy", "draining", "dead"] = "healthy"
@@ -202,6 +228,10 @@ class ModelTurn(BaseModel):
     finish_reason: str | None
     text: str
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    backend_id: str | None = None
+    """The backend that generated this turn (a job moves when its backend is drained or lost)."""
+    policy_version: int | None = None
+    """The weights that generated this turn, as its backend announced them."""
     llm_seconds: float = 0.0
     turn_seconds: float = 0.0
     """Wall time from this call's start until the reply to it was appended (model, tools,
@@ -258,6 +288,54 @@ class Trajectory(BaseModel):
     finished_at: float | None = None
 
 
+class DynamicProgress(BaseModel):
+    """The dynamic-sampling part of `GET /v1/batches/{id}`."""
+
+    state: Literal["running", "draining", "cancelling", "done"]
+    """`running` draws groups; `cancelling` stops the rest after the target (or a cancel);
+    `draining` lets them finish (`early_cancel` false); `done` once nothing of it runs."""
+    target_groups: int
+    group_size: int
+    max_inflight_groups: int
+    max_attempts_per_task: int
+    early_cancel: bool
+    pool_size: int
+    groups_drawn: int
+    groups_in_flight: int
+    groups_accepted: int
+    """Complete and informative: what the results stream returns (at most the target)."""
+    groups_filtered: int
+    """Complete with every reward equal (uninformative)."""
+    groups_failed: int
+    """Complete, but a job failed or timed out (no reward)."""
+    groups_cancelled: int
+    """Cut short: a job of it was cancelled (by the target's cancellation or a request)."""
+    groups_surplus: int
+    """Completed after the target was met."""
+    rollouts_used: int
+    """Jobs of accepted groups. `rollouts_*` count jobs that started (a job cancelled while
+    queued costs nothing)."""
+    rollouts_filtered: int
+    """Started jobs of filtered and failed groups: the price of finding them uninformative."""
+    rollouts_wasted: int
+    """Started jobs of cancelled and surplus groups: work beyond what the target needed."""
+    rollout_seconds_used: float
+    """Seconds from each job's first stage to its end, summed, per category as above."""
+    rollout_seconds_filtered: float
+    rollout_seconds_wasted: float
+    target_reached: bool
+    time_to_target: float | None
+    """Seconds from submission until the target's last group completed."""
+    time_to_done: float | None
+    """Seconds from submission until the batch was done (every cancelled job stopped)."""
+    unconfirmed_stops: int
+    """Cancelled jobs not yet confirmed stopped (a stage still running or a sandbox up)."""
+    accepted_groups: list[str]
+    """Group ids of the accepted groups, in order of completion."""
+    tasks_never_drawn: list[int]
+    """Indexes into the request's `tasks` that were never drawn: carry them over."""
+
+
 class BatchProgress(BaseModel):
     """`GET /v1/batches/{id}`."""
 
@@ -271,7 +349,11 @@ class BatchProgress(BaseModel):
     groups_finished: int
     mean_reward: float | None
     done: bool
+    """Every job has ended and every cancelled one is confirmed stopped (for a dynamic batch:
+    its state is `done`)."""
     created_at: float
+    dynamic: DynamicProgress | None = None
+    """Present for a batch with dynamic sampling."""
 
 
 class Health(BaseModel):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
@@ -16,15 +17,14 @@ from api.schemas import (
     AgentParams,
     BatchProgress,
     BatchRequest,
-    JobStatus,
     RolloutRequest,
     SamplingParams,
-    StageError,
     Task,
     Trajectory,
 )
-from broker.celery_app import job_chain
-from broker.jobstore import JobSpec, JobStore
+from broker.dapo import submit_dynamic
+from broker.dispatch import Dispatcher, DispatchError
+from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
 from broker.settings import Settings
 from routing.pool import BackendPool
 from workers.handlers.base import TaskValidationError
@@ -51,6 +51,13 @@ class Services:
     store: JobStore
     pool: BackendPool
     celery: Celery
+    dispatcher: Dispatcher = field(init=False)
+    """Sends and stops jobs; hooked into `store` so ends recorded here are followed up."""
+
+    def __post_init__(self) -> None:
+        self.dispatcher = Dispatcher(
+            self.store, self.pool, self.celery, self.settings.node_name, self.settings.cancel_grace
+        ).install()
 
 
 def instance_id_of(task: Task) -> str:
@@ -100,15 +107,10 @@ def _require_backend(svc: Services) -> None:
 
 
 def _enqueue(svc: Services, specs: list[JobSpec], batch_id: str | None, group_size: int) -> None:
-    svc.store.create_jobs(specs, batch_id=batch_id, group_size=group_size)
     try:
-        with svc.celery.producer_or_acquire() as producer:
-            for spec in specs:
-                job_chain(svc.celery, spec.job_id, spec.task_ids).apply_async(producer=producer)
-    except Exception as exc:
-        log.exception("enqueueing %d jobs failed", len(specs))
-        svc.store.delete_jobs(specs, batch_id)
-        raise RequestError(503, f"the broker did not take the jobs: {exc}") from exc
+        svc.dispatcher.enqueue_specs(specs, batch_id, group_size)
+    except DispatchError as exc:
+        raise RequestError(503, str(exc)) from exc
 
 
 def submit_rollout(svc: Services, request: RolloutRequest) -> str:
@@ -127,20 +129,68 @@ def submit_rollout(svc: Services, request: RolloutRequest) -> str:
     return spec.job_id
 
 
-def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
-    """Validate every task first, then write and enqueue `group_size` jobs per task."""
-    if request.dynamic_sampling is not None:
+def resolve_dynamic(request: BatchRequest) -> DynamicOptions | None:
+    """The batch's dynamic-sampling options with defaults filled in, or None for a plain batch;
+    a RequestError naming the field for options that cannot work."""
+    dynamic = request.dynamic_sampling
+    if dynamic is None:
+        return None
+    loc = ["body", "dynamic_sampling"]
+    if dynamic.group_size is None:
+        group_size = request.group_size
+        if group_size < 2:
+            raise RequestError(
+                422,
+                "dynamic sampling needs group_size >= 2: a group of one reward is always "
+                "uniform, so it could never be informative",
+                ["body", "group_size"],
+            )
+    elif "group_size" in request.model_fields_set and request.group_size != dynamic.group_size:
         raise RequestError(
             422,
-            "dynamic sampling is not available in this version; send null",
-            ["body", "dynamic_sampling"],
+            f"dynamic_sampling.group_size ({dynamic.group_size}) differs from group_size "
+            f"({request.group_size}); give one of them, or the same value",
+            [*loc, "group_size"],
         )
+    else:
+        group_size = dynamic.group_size
+    pool = len(request.tasks)
+    if dynamic.target_groups > pool:
+        raise RequestError(
+            422,
+            f"target_groups ({dynamic.target_groups}) exceeds the pool of {pool} tasks: a task "
+            "yields at most one accepted group",
+            [*loc, "target_groups"],
+        )
+    return DynamicOptions(
+        target_groups=dynamic.target_groups,
+        group_size=group_size,
+        max_inflight_groups=dynamic.max_inflight_groups or dynamic.target_groups,
+        max_attempts_per_task=dynamic.max_attempts_per_task,
+        early_cancel=dynamic.early_cancel,
+    )
+
+
+def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
+    """Validate every task first, then write and enqueue `group_size` jobs per task (with
+    dynamic sampling: the first `max_inflight_groups` groups drawn from the tasks)."""
+    dynamic = resolve_dynamic(request)
     for index, task in enumerate(request.tasks):
         validate_task(task, ["body", "tasks", index])
     _require_backend(svc)
     batch_id = uuid.uuid4().hex
     sampling = resolve_sampling(request.sampling, svc.settings)
     agent = resolve_agent(request.agent, svc.settings)
+    if dynamic is not None:
+        pool = [
+            PoolTask(task=t.model_dump(), data_source=t.data_source, instance_id=instance_id_of(t))
+            for t in request.tasks
+        ]
+        try:
+            jobs = submit_dynamic(svc.dispatcher, batch_id, pool, dynamic, sampling, agent)
+        except DispatchError as exc:
+            raise RequestError(503, str(exc)) from exc
+        return batch_id, jobs
     specs: list[JobSpec] = []
     for task in request.tasks:
         group_id = uuid.uuid4().hex
@@ -163,32 +213,45 @@ def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
 
 
 def cancel_jobs(svc: Services, job_ids: Sequence[str]) -> int:
-    """Cancel the live jobs among `job_ids`: record them cancelled, revoke tasks, free backends.
+    """Cancel the live jobs among `job_ids`: record them cancelled, revoke their tasks
+    (terminating running ones), free their backends and sandboxes.
 
     Returns how many were cancelled by this call (finished jobs are left as they are).
     """
-    revoke: list[str] = []
-    cancelled = 0
     for job_id in job_ids:
-        record = svc.store.get(job_id)
-        if record.status.terminal:
-            continue
-        error = StageError(
-            stage=record.status.value, type="cancelled", message="cancelled by request"
-        )
-        if svc.store.finish(job_id, JobStatus.cancelled, error=error):
-            cancelled += 1
-            revoke.extend(record.task_ids.values())
-            svc.pool.release(job_id)
-    if revoke:
-        # A running stage is killed; queued ones are dropped when a worker receives them.
-        svc.celery.control.revoke(revoke, terminate=True, signal="SIGTERM")
-    return cancelled
+        svc.store.status(job_id)  # 404 for an unknown id
+    return len(svc.dispatcher.cancel_jobs(job_ids))
 
 
-def cancel_batch(svc: Services, batch_id: str) -> BatchProgress:
-    cancel_jobs(svc, svc.store.batch_job_ids(batch_id))
+def cancel_batch(svc: Services, batch_id: str, wait: float = 30.0) -> BatchProgress:
+    """Stop all work of the batch, then wait up to `wait` seconds until every cancelled job is
+    confirmed stopped (its stage ended, its sandbox and backend slot freed): `done` says so."""
+    svc.store.batch_progress(batch_id)  # 404 for an unknown id
+    svc.dispatcher.cancel_batch(batch_id)
+    return wait_for_batch(svc, batch_id, wait)
+
+
+def wait_for_batch(svc: Services, batch_id: str, wait: float) -> BatchProgress:
+    """The batch's progress once it is done, or as it is after `wait` seconds."""
+    deadline = time.monotonic() + min(wait, svc.settings.max_wait_seconds)
+    while not svc.store.batch_done(batch_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return svc.store.batch_progress(batch_id)
+
+
+def batch_progress(svc: Services, batch_id: str) -> BatchProgress:
+    """`GET /v1/batches/{id}`; an unfinished batch also gets what a worker that died left
+    undone picked up (see `Dispatcher.recover`)."""
+    progress = svc.store.batch_progress(batch_id)
+    if not progress.done and (progress.dynamic is not None or progress.finished >= progress.total):
+        _recover(svc, batch_id)
+        progress = svc.store.batch_progress(batch_id)
+    return progress
+
+
+def _recover(svc: Services, batch_id: str) -> None:
+    # past the longest hard time limit every stage of a cancelled job has been killed
+    svc.dispatcher.recover(batch_id, stuck_after=svc.settings.longest_hard_limit + 60.0)
 
 
 def wait_for_job(svc: Services, job_id: str, timeout: float) -> Trajectory:
@@ -198,10 +261,16 @@ def wait_for_job(svc: Services, job_id: str, timeout: float) -> Trajectory:
 
 
 def stream_results(svc: Services, batch_id: str) -> Iterator[bytes]:
-    """NDJSON lines: every finished trajectory of the batch as it finishes; a blank keep-alive
-    line after each second without news."""
+    """NDJSON lines: every finished trajectory of the batch as it finishes (for a dynamic batch:
+    the jobs of each accepted group as it is accepted, ending once the batch is done); a blank
+    keep-alive line after each second without news."""
+    dynamic = svc.store.is_dynamic(batch_id)
+    idle = 0
     for job_id in svc.store.iter_finished(batch_id):
         if job_id is None:
+            idle += 1
+            if dynamic and idle % 10 == 0:
+                _recover(svc, batch_id)
             yield b"\n"
             continue
         yield svc.store.trajectory(job_id).model_dump_json().encode() + b"\n"

@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# bench/routing.py, beside this script, would shadow the `routing` package: the repository's
+# own packages come first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import redis
 
 from api.client import RolloutClient

@@ -61,6 +61,18 @@ class Settings(BaseSettings):
     backend_retries: int = 3
     """Attempts per inference request on connection errors and 5xx answers."""
 
+    health_interval: float = 5.0
+    """Seconds between health checks (`GET /health`) of every registered backend."""
+    health_failures: int = Field(default=3, ge=1)
+    """Consecutive failed health checks after which a backend gets no more work (it is
+    re-admitted when a check succeeds)."""
+    backend_wait: float = 600.0
+    """Seconds a job waits between turns while no backend takes work (all draining for a
+    weight update, or dead) before it fails."""
+    backend_failovers: int = Field(default=3, ge=0)
+    """Times one request is re-sent to another backend after losing its own (connection
+    refused or reset, no answer)."""
+
     node_name: str = Field(default_factory=socket.gethostname)
     """This worker node's name: sandboxed jobs run RUN (and EVAL, when it grades in the
     sandbox) on the node whose INIT started their sandbox, through queues `run.<node>`."""
@@ -68,6 +80,9 @@ class Settings(BaseSettings):
     """Where tool-using jobs run: `bwrap`, `apptainer`, `local` (no isolation) or `auto`."""
     sandbox_dir: Path = Path(".rollserve/sandboxes")
     """This host's sandbox state: one directory per live sandbox (sockets, workspaces)."""
+    cancel_grace: float = Field(default=1.0, ge=0.0)
+    """Seconds a cancelled job's running stage gets to stop by itself (RUN notices within one
+    turn) before it is terminated (Celery revoke with terminate, which costs a pool process)."""
     reap_interval: float = 30.0
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0

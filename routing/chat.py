@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from routing.vllm import VLLMClient
+from routing.clients import InferenceClient
 
 _DUMMY_TEXT = "."
 _DUMMY_USER = {"role": "user", "content": _DUMMY_TEXT}
@@ -66,7 +66,7 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> str:
 class ChatTemplater:
     """Renders a conversation's first prompt and the ids that continue it, turn by turn."""
 
-    def __init__(self, client: VLLMClient) -> None:
+    def __init__(self, client: InferenceClient) -> None:
         self.client = client
         self._pieces: dict[str, _Pieces] = {}
         self._tools_matter: dict[str, bool] = {}

@@ -1,29 +1,44 @@
 """The registry of inference backends and the assignment of jobs to them.
 
-Every registered backend is a member of one Redis sorted set used as a min-heap: its score
-is the number of jobs that currently hold it. A job acquires the least-loaded backend and
-keeps it (sticky routing, so its growing prompt hits the same server's prefix cache) until it
-releases it. Acquire and release are each one Lua script, so any number of workers can call
-them concurrently and every count stays exact.
+Every backend that may take new work is a member of one Redis sorted set used as a min-heap.
+Its score is its load after one more assignment, ``(jobs holding it + 1) / capacity``, so the
+least-loaded backend by *current* load (weighted by capacity) is always at the top. A job
+acquires the top backend and keeps it (sticky routing: its growing prompt keeps hitting the
+same server's prefix cache) until it ends, or until that backend is drained or found dead: the
+job's next request then moves to the least-loaded backend and simply prefills there.
+
+A backend is assignable when it is healthy and not draining; only assignable backends are in
+the heap. Draining is the operator's intent (weight updates: nothing new is assigned, running
+requests finish, the backend is idle once no job holds it); health is the monitor's finding
+(failed ``/health`` probes or a request lost with its server make it dead; a probe that
+answers re-admits it).
+
+Every change is one Lua script, so any number of workers and gateways can route at once and
+every count stays exact. Counts cannot leak: the holders hash is the truth, and ``reconcile``
+drops the holds of jobs that are no longer live and rebuilds every count from what is left.
 
 Redis keys (``{p}`` is the prefix, ``rs:`` by default):
 
-- ``{p}pool:heap`` — sorted set, member = backend id, score = jobs holding it;
-- ``{p}pool:backend:{id}`` — hash: ``url``, ``kind``, ``model``, ``policy_version``
-  (empty when unknown), ``registered_at``;
+- ``{p}pool:heap`` — sorted set of assignable backends, score = (load + 1) / capacity;
+- ``{p}pool:load`` — hash, backend id → jobs holding it;
+- ``{p}pool:holders`` — hash, job id → ``"{backend_id}|{epoch}"`` while the job holds one;
+- ``{p}pool:backend:{id}`` — hash: ``url``, ``kind``, ``api``, ``model``, ``capacity``,
+  ``tokenizer`` and ``policy_version`` (empty when unset), ``registered_at``, ``draining``
+  and ``healthy`` (``0``/``1``), ``failures`` (consecutive failed health checks);
 - ``{p}pool:epoch`` — hash, backend id → registration epoch (changes when an id is removed
   and registered again, so a job that held the old registration never counts against the new);
-- ``{p}pool:epoch-seq`` — the counter that epochs are drawn from;
-- ``{p}pool:job:{job_id}`` — ``"{backend_id}|{epoch}"`` while the job holds a backend,
-  expiring after ``assignment_ttl`` seconds so abandoned assignments do not pile up.
+- ``{p}pool:epoch-seq`` — the counter that epochs are drawn from.
 
-This module depends on redis-py and the wire schemas only.
+The scripts name keys from the prefix they are given, so the pool needs one Redis (not a
+cluster). This module depends on redis-py and the wire schemas only.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,8 +46,8 @@ import redis
 
 from api.schemas import Backend, BackendSpec
 
-DEFAULT_ASSIGNMENT_TTL = 7 * 86400
-"""Seconds a job's assignment is kept after its last acquire (longer than any job runs)."""
+DEFAULT_FAILURE_THRESHOLD = 3
+"""Consecutive failed health checks after which a backend is taken out of rotation."""
 
 
 class NoBackendError(RuntimeError):
@@ -47,85 +62,207 @@ class NoBackendError(RuntimeError):
         )
 
 
-# Registering keeps the heap score of an id that is already there (its in-flight count) and
-# its registered_at; a new id (or one registered again after removal) starts at 0 with a
-# fresh epoch.
-_REGISTER = """
-local heap, bkey, epochs, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local id = ARGV[1]
+class NoHealthyBackendError(NoBackendError):
+    """Backends are registered but none takes work now (all draining or dead)."""
+
+
+# Functions every script below starts with. KEYS are unused: ARGV[1] is the key prefix.
+_PRELUDE = """
+local p = ARGV[1]
+local heap, loads, holders, epochs = p .. 'pool:heap', p .. 'pool:load', p .. 'pool:holders',
+  p .. 'pool:epoch'
+local function bkey(id) return p .. 'pool:backend:' .. id end
+-- Put the backend in the heap (scored by its load after one more job) or take it out.
+local function sync(id)
+  local f = redis.call('HMGET', bkey(id), 'capacity', 'draining', 'healthy')
+  if not f[1] or not redis.call('HGET', epochs, id) then
+    redis.call('ZREM', heap, id)
+    return
+  end
+  if f[2] == '1' or f[3] == '0' then
+    redis.call('ZREM', heap, id)
+  else
+    local load = tonumber(redis.call('HGET', loads, id) or '0')
+    redis.call('ZADD', heap, (load + 1) / tonumber(f[1]), id)
+  end
+end
+-- The backend a hold names, if that registration still exists.
+local function held_id(held)
+  if not held then return nil end
+  local sep = string.find(held, '|', 1, true)
+  if not sep then return nil end
+  local id = string.sub(held, 1, sep - 1)
+  if redis.call('HGET', epochs, id) ~= string.sub(held, sep + 1) then return nil end
+  return id
+end
+local function unhold(job, id)
+  redis.call('HDEL', holders, job)
+  if id then
+    local load = tonumber(redis.call('HGET', loads, id) or '0')
+    if load > 0 then redis.call('HINCRBY', loads, id, -1) end
+    sync(id)
+  end
+end
+"""
+
+# ARGV: prefix, id, url, kind, api, model, capacity, policy_version, now, tokenizer
+# A new id (or one registered again after removal) starts healthy, not draining, with a
+# fresh epoch and no load; registering an id again keeps its load, state and holders.
+_REGISTER = (
+    _PRELUDE
+    + """
+local id = ARGV[2]
 local created = 0
-if not redis.call('ZSCORE', heap, id) then
-  redis.call('ZADD', heap, 0, id)
-  redis.call('HSET', epochs, id, redis.call('INCR', seq))
-  redis.call('DEL', bkey)
-  redis.call('HSET', bkey, 'registered_at', ARGV[6])
+if not redis.call('HGET', epochs, id) then
+  redis.call('HSET', epochs, id, redis.call('INCR', p .. 'pool:epoch-seq'))
+  redis.call('DEL', bkey(id))
+  redis.call('HSET', bkey(id), 'registered_at', ARGV[9], 'draining', '0', 'healthy', '1',
+             'failures', '0')
+  redis.call('HSET', loads, id, 0)
   created = 1
 end
-redis.call('HSET', bkey, 'url', ARGV[2], 'kind', ARGV[3], 'model', ARGV[4],
-           'policy_version', ARGV[5])
+redis.call('HSET', bkey(id), 'url', ARGV[3], 'kind', ARGV[4], 'api', ARGV[5], 'model', ARGV[6],
+           'capacity', ARGV[7], 'policy_version', ARGV[8], 'tokenizer', ARGV[10])
+sync(id)
 return created
 """
+)
 
-_REMOVE = """
-local heap, bkey, epochs = KEYS[1], KEYS[2], KEYS[3]
-local removed = redis.call('ZREM', heap, ARGV[1])
-redis.call('DEL', bkey)
-redis.call('HDEL', epochs, ARGV[1])
-return removed
+# ARGV: prefix, id. Holds on the old registration are ignored from now on (epoch gone).
+_REMOVE = (
+    _PRELUDE
+    + """
+local id = ARGV[2]
+local existed = redis.call('HDEL', epochs, id)
+redis.call('ZREM', heap, id)
+redis.call('DEL', bkey(id))
+redis.call('HDEL', loads, id)
+return existed
 """
+)
 
-# A job that still holds a live registration gets it back without counting again (a
-# redelivered stage may call acquire twice). Otherwise the least-loaded backend is taken;
-# ZRANGE orders equal scores by member, so ties break the same way every time.
-_ACQUIRE = """
-local heap, epochs, jkey = KEYS[1], KEYS[2], KEYS[3]
-local ttl = tonumber(ARGV[1])
-local held = redis.call('GET', jkey)
+# ARGV: prefix, job. Returns {backend id or '', the backend the job left or '', moved 0/1,
+# the backend's policy version, its url}.
+# A job whose backend is still assignable keeps it without counting again (a redelivered stage
+# may route twice). One whose backend is draining, dead or removed gives it up and takes the
+# least-loaded assignable one; ZRANGE orders equal scores by member, so ties break the same
+# way every time. With nothing assignable the job keeps no hold and gets ''.
+_ROUTE = (
+    _PRELUDE
+    + """
+local job = ARGV[2]
+local held = redis.call('HGET', holders, job)
+local id = held_id(held)
+local left = ''
+local function answer(chosen, left, moved)
+  local f = redis.call('HMGET', bkey(chosen), 'policy_version', 'url')
+  return {chosen, left, moved, f[1] or '', f[2] or ''}
+end
+if id and redis.call('ZSCORE', heap, id) then
+  return answer(id, '', 0)
+end
 if held then
-  local sep = string.find(held, '|', 1, true)
-  if sep then
-    local id = string.sub(held, 1, sep - 1)
-    if redis.call('HGET', epochs, id) == string.sub(held, sep + 1) then
-      redis.call('EXPIRE', jkey, ttl)
-      return id
-    end
-  end
+  unhold(job, id)
+  left = id or ''
 end
 local pick = redis.call('ZRANGE', heap, 0, 0)
 if #pick == 0 then
-  return false
+  return {'', left, 0, '', ''}
 end
-local id = pick[1]
-local epoch = redis.call('HGET', epochs, id)
-redis.call('ZINCRBY', heap, 1, id)
-redis.call('SET', jkey, id .. '|' .. epoch, 'EX', ttl)
-return id
+local new = pick[1]
+redis.call('HINCRBY', loads, new, 1)
+redis.call('HSET', holders, job, new .. '|' .. redis.call('HGET', epochs, new))
+sync(new)
+local moved = 0
+if held then moved = 1 end
+return answer(new, left, moved)
 """
+)
 
-# The assignment key is deleted in the same script that decrements, so a second release finds
-# nothing to do. A backend that was removed (or removed and registered again, which changes
-# its epoch) is left alone: ZINCRBY would otherwise recreate it in the heap.
-_RELEASE = """
-local heap, epochs, jkey = KEYS[1], KEYS[2], KEYS[3]
-local held = redis.call('GET', jkey)
-if not held then
-  return false
-end
-redis.call('DEL', jkey)
-local sep = string.find(held, '|', 1, true)
-if not sep then
-  return false
-end
-local id = string.sub(held, 1, sep - 1)
-if redis.call('HGET', epochs, id) ~= string.sub(held, sep + 1) then
-  return false
-end
-local score = redis.call('ZSCORE', heap, id)
-if score and tonumber(score) > 0 then
-  redis.call('ZINCRBY', heap, -1, id)
-end
-return id
+# ARGV: prefix, job, only_if_unassignable ('1': keep a hold on a backend that still takes
+# work, so the job stays sticky). The hold is deleted in the same script that decrements, so
+# a second release finds nothing to do; a removed backend is left alone.
+_RELEASE = (
+    _PRELUDE
+    + """
+local job = ARGV[2]
+local held = redis.call('HGET', holders, job)
+if not held then return false end
+local id = held_id(held)
+if ARGV[3] == '1' and id and redis.call('ZSCORE', heap, id) then return false end
+unhold(job, id)
+return id or false
 """
+)
+
+# ARGV: prefix, id, field, value. Sets a state field and puts the backend in or out of the
+# heap. Returns 0 for an unknown id.
+_SET = (
+    _PRELUDE
+    + """
+local id = ARGV[2]
+if not redis.call('HGET', epochs, id) then return 0 end
+redis.call('HSET', bkey(id), ARGV[3], ARGV[4])
+if ARGV[3] == 'healthy' and ARGV[4] == '1' then redis.call('HSET', bkey(id), 'failures', 0) end
+sync(id)
+return 1
+"""
+)
+
+# ARGV: prefix, id, ok ('1'/'0'), threshold. A success clears the failures and re-admits; a
+# failure counts, and the threshold-th in a row takes the backend out. Returns
+# {registered 0/1, healthy before, healthy after}.
+_HEALTH = (
+    _PRELUDE
+    + """
+local id = ARGV[2]
+if not redis.call('HGET', epochs, id) then return {0, 0, 0} end
+local before = redis.call('HGET', bkey(id), 'healthy') == '1' and 1 or 0
+local after = before
+if ARGV[3] == '1' then
+  redis.call('HSET', bkey(id), 'failures', 0, 'healthy', '1')
+  after = 1
+else
+  local failures = redis.call('HINCRBY', bkey(id), 'failures', 1)
+  if failures >= tonumber(ARGV[4]) then
+    redis.call('HSET', bkey(id), 'healthy', '0')
+    after = 0
+  end
+end
+sync(id)
+return {1, before, after}
+"""
+)
+
+# ARGV: prefix, then the ids of jobs that are no longer live. Their holds go; every load is
+# rebuilt from the holds that are left. Returns the number of loads that were wrong.
+_RECONCILE = (
+    _PRELUDE
+    + """
+for i = 2, #ARGV do redis.call('HDEL', holders, ARGV[i]) end
+local counts = {}
+local all = redis.call('HGETALL', holders)
+for i = 1, #all, 2 do
+  local id = held_id(all[i + 1])
+  if id then
+    counts[id] = (counts[id] or 0) + 1
+  else
+    redis.call('HDEL', holders, all[i])
+  end
+end
+local fixed = 0
+local registered = redis.call('HKEYS', epochs)
+for _, id in ipairs(registered) do
+  local want = counts[id] or 0
+  if tonumber(redis.call('HGET', loads, id) or '-1') ~= want then
+    fixed = fixed + 1
+    redis.call('HSET', loads, id, want)
+  end
+  sync(id)
+end
+return fixed
+"""
+)
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 
@@ -159,6 +296,22 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a job's next request goes."""
+
+    backend_id: str
+    left: str | None = None
+    """The backend the job gave up (drained, dead or removed), if it moved."""
+    policy_version: int | None = None
+    """The backend's policy version now."""
+    url: str = ""
+
+    @property
+    def moved(self) -> bool:
+        return self.left is not None
+
+
 class BackendPool:
     """Registered inference backends and which job holds which, kept in Redis.
 
@@ -170,24 +323,25 @@ class BackendPool:
         self,
         client: redis.Redis,
         prefix: str = "rs:",
-        assignment_ttl: int = DEFAULT_ASSIGNMENT_TTL,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
     ) -> None:
         self.client = client
         self.prefix = prefix
-        self.assignment_ttl = int(assignment_ttl)
+        self.failure_threshold = max(1, int(failure_threshold))
         self.heap_key = f"{prefix}pool:heap"
+        self.load_key = f"{prefix}pool:load"
+        self.holders_key = f"{prefix}pool:holders"
         self.epoch_key = f"{prefix}pool:epoch"
-        self.epoch_seq_key = f"{prefix}pool:epoch-seq"
         self._register = client.register_script(_REGISTER)
         self._remove = client.register_script(_REMOVE)
-        self._acquire = client.register_script(_ACQUIRE)
+        self._route = client.register_script(_ROUTE)
         self._release = client.register_script(_RELEASE)
+        self._set = client.register_script(_SET)
+        self._health = client.register_script(_HEALTH)
+        self._reconcile = client.register_script(_RECONCILE)
 
     def backend_key(self, backend_id: str) -> str:
         return f"{self.prefix}pool:backend:{backend_id}"
-
-    def job_key(self, job_id: str) -> str:
-        return f"{self.prefix}pool:job:{job_id}"
 
     # ------------------------------------------------------------------ registry
 
@@ -195,24 +349,22 @@ class BackendPool:
         """Add a backend, or update one with the same id; returns it as now registered.
 
         The id is ``spec.id``, or derived from the URL. Registering an id again updates its
-        URL, kind, model and policy version and keeps its in-flight count and the jobs that
-        hold it.
+        URL, kind, API, model, capacity and policy version and keeps its load, its state
+        (draining, dead) and the jobs that hold it.
         """
         backend_id = spec.id or derive_backend_id(spec.url)
         self._register(
-            keys=[
-                self.heap_key,
-                self.backend_key(backend_id),
-                self.epoch_key,
-                self.epoch_seq_key,
-            ],
             args=[
+                self.prefix,
                 backend_id,
                 spec.url,
                 spec.kind,
+                spec.api,
                 spec.model,
+                repr(float(spec.capacity)),
                 "" if spec.policy_version is None else str(spec.policy_version),
                 repr(time.time()),
+                spec.tokenizer or "",
             ],
         )
         backend = self.get(backend_id)
@@ -223,103 +375,187 @@ class BackendPool:
     def remove(self, backend_id: str) -> bool:
         """Unregister a backend; False if it was not registered.
 
-        Jobs that held it are moved to another backend on their next ``acquire``; their
-        ``release`` does nothing to the counts.
+        Jobs that held it move to another backend on their next ``route``; their ``release``
+        does nothing to the counts.
         """
-        removed = self._remove(
-            keys=[self.heap_key, self.backend_key(backend_id), self.epoch_key],
-            args=[backend_id],
-        )
-        return bool(int(removed))
+        return bool(int(self._remove(args=[self.prefix, backend_id])))
 
     def get(self, backend_id: str) -> Backend | None:
-        """The backend with this id and its current in-flight count, or None."""
+        """The backend with this id, its load and state, or None."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hgetall(self.backend_key(backend_id))
-        pipe.zscore(self.heap_key, backend_id)
-        fields, score = pipe.execute()
-        if score is None or not fields:
+        pipe.hget(self.load_key, backend_id)
+        pipe.hexists(self.epoch_key, backend_id)
+        fields, load, registered = pipe.execute()
+        if not registered or not fields:
             return None
-        return self._backend(backend_id, fields, score)
+        return self._backend(backend_id, fields, load)
+
+    def ids(self) -> list[str]:
+        """Every registered backend id, sorted."""
+        return sorted(_text(k) for k in self.client.hkeys(self.epoch_key))
 
     def list(self) -> list[Backend]:
-        """Every registered backend with its current in-flight count, ordered by id."""
-        scores = self.in_flight()
-        ids = sorted(scores)
-        pipe = self.client.pipeline(transaction=False)
+        """Every registered backend with its load and state, ordered by id."""
+        ids = self.ids()
+        pipe = self.client.pipeline(transaction=True)
         for backend_id in ids:
             pipe.hgetall(self.backend_key(backend_id))
-        backends = []
-        for backend_id, fields in zip(ids, pipe.execute(), strict=True):
-            if fields:  # skips one removed between the two reads
-                backends.append(self._backend(backend_id, fields, scores[backend_id]))
-        return backends
+        pipe.hgetall(self.load_key)
+        *rows, loads = pipe.execute()
+        load_of = {_text(k): v for k, v in loads.items()}
+        return [
+            self._backend(backend_id, fields, load_of.get(backend_id))
+            for backend_id, fields in zip(ids, rows, strict=True)
+            if fields  # skips one removed between the two reads
+        ]
 
     def count(self) -> int:
-        """How many backends are registered."""
+        """How many backends are registered (whatever their state)."""
+        return int(self.client.hlen(self.epoch_key))
+
+    def assignable(self) -> int:
+        """How many backends take new jobs now (healthy and not draining)."""
         return int(self.client.zcard(self.heap_key))
 
-    @staticmethod
-    def _backend(backend_id: str, fields: dict[Any, Any], score: float) -> Backend:
+    def _backend(self, backend_id: str, fields: dict[Any, Any], load: Any) -> Backend:
         data = {_text(k): _text(v) for k, v in fields.items()}
         version = data.get("policy_version", "")
+        in_flight = int(_text(load)) if load is not None else 0
+        if data.get("draining") == "1":
+            state = "draining"
+        elif data.get("healthy", "1") == "0":
+            state = "dead"
+        else:
+            state = "healthy"
         return Backend.model_validate(
             {
                 "id": backend_id,
                 "url": data["url"],
                 "kind": data["kind"],
+                "api": data.get("api") or "completions",
                 "model": data["model"],
+                "capacity": float(data.get("capacity") or 1.0),
+                "tokenizer": data.get("tokenizer") or None,
                 "policy_version": int(version) if version else None,
-                "in_flight": int(score),
+                "in_flight": in_flight,
+                "state": state,
+                "idle": in_flight == 0,
+                "failures": int(data.get("failures") or 0),
                 "registered_at": float(data.get("registered_at", 0.0)),
             }
         )
 
     # ---------------------------------------------------------------- assignment
 
-    def acquire(self, job_id: str) -> Backend:
-        """The backend this job should send its requests to, counted once per job.
+    def route(self, job_id: str) -> Route:
+        """Where the job's next request goes, counted once per job.
 
-        Sticky and idempotent: while the job holds a backend that is still registered, the
-        same one is returned and nothing is counted again. Otherwise the least-loaded backend
-        (ties broken by id) is assigned. Raises NoBackendError when none is registered.
+        Sticky and idempotent: while the job holds a backend that takes work, the same one
+        is returned and nothing is counted again. A job whose backend was drained, found dead
+        or removed moves to the least-loaded assignable backend. Raises NoBackendError when
+        none is registered and NoHealthyBackendError when none takes work now (the job then
+        holds nothing).
         """
+        backend_id, left, moved, version, url = self._route(args=[self.prefix, job_id])
+        backend_id, left, version = _text(backend_id), _text(left), _text(version)
+        if not backend_id:
+            if self.count() == 0:
+                raise NoBackendError()
+            raise NoHealthyBackendError(
+                "no backend takes work now: every registered backend is draining or dead"
+            )
+        return Route(
+            backend_id,
+            left if int(moved) else None,
+            int(version) if version else None,
+            _text(url),
+        )
+
+    def acquire(self, job_id: str) -> Backend:
+        """The backend the job's requests go to (``route`` and read it)."""
         for _ in range(3):
-            backend_id = self.acquire_id(job_id)
-            backend = self.get(backend_id)
+            backend = self.get(self.route(job_id).backend_id)
             if backend is not None:
                 return backend
-            # Removed between the script and the read: the next acquire moves the job.
+            # Removed between the script and the read: the next route moves the job.
         raise NoBackendError("the backends were removed while a job was being assigned")
 
     def acquire_id(self, job_id: str) -> str:
         """Like ``acquire`` but returns the id only (one round trip)."""
-        result = self._acquire(
-            keys=[self.heap_key, self.epoch_key, self.job_key(job_id)],
-            args=[self.assignment_ttl],
-        )
-        if result is None:
-            raise NoBackendError()
-        return _text(result)
+        return self.route(job_id).backend_id
 
     def release(self, job_id: str) -> None:
         """Give back the job's backend; does nothing if the job holds none.
 
-        Each held assignment is decremented exactly once, however often this is called, and a
-        backend removed in the meantime is not brought back.
+        Each hold is decremented exactly once, however often this is called, and a backend
+        removed in the meantime is not brought back.
         """
-        self._release(keys=[self.heap_key, self.epoch_key, self.job_key(job_id)], args=[])
+        self._release(args=[self.prefix, job_id, "0"])
+
+    def request_done(self, job_id: str) -> bool:
+        """After each request: give the backend back if it no longer takes work (draining or
+        dead), so a drained backend is idle as soon as its running requests have finished.
+        Returns whether the hold was given up."""
+        return bool(self._release(args=[self.prefix, job_id, "1"]))
 
     def in_flight(self) -> dict[str, int]:
         """Jobs holding each registered backend."""
-        pairs = self.client.zrange(self.heap_key, 0, -1, withscores=True)
-        return {_text(member): int(score) for member, score in pairs}
+        loads = {_text(k): int(_text(v)) for k, v in self.client.hgetall(self.load_key).items()}
+        return {backend_id: loads.get(backend_id, 0) for backend_id in self.ids()}
 
     def backend_of(self, job_id: str) -> str | None:
         """The id of the backend this job holds, or None (also when that backend was removed)."""
-        held = self.client.get(self.job_key(job_id))
+        held = self.client.hget(self.holders_key, job_id)
         if held is None:
             return None
         backend_id, _, epoch = _text(held).partition("|")
         current = self.client.hget(self.epoch_key, backend_id)
         return backend_id if current is not None and _text(current) == epoch else None
+
+    def holders(self) -> dict[str, str]:
+        """Job id → the backend it holds (holds on removed registrations included)."""
+        raw = self.client.hgetall(self.holders_key)
+        return {_text(k): _text(v).partition("|")[0] for k, v in raw.items()}
+
+    # ------------------------------------------------------------- drain and health
+
+    def _set_field(self, backend_id: str, field: str, value: str) -> bool:
+        return bool(int(self._set(args=[self.prefix, backend_id, field, value])))
+
+    def drain(self, backend_id: str) -> bool:
+        """Assign nothing new to the backend; its jobs move away after their running request.
+        False for an unknown id."""
+        return self._set_field(backend_id, "draining", "1")
+
+    def resume(self, backend_id: str, policy_version: int | None = None) -> bool:
+        """Take work again (optionally announcing the weights it now holds). False for an
+        unknown id."""
+        if policy_version is not None and not self._set_field(
+            backend_id, "policy_version", str(policy_version)
+        ):
+            return False
+        return self._set_field(backend_id, "draining", "0")
+
+    def mark_dead(self, backend_id: str) -> bool:
+        """Take a backend out of rotation at once (a request was lost with it); the health
+        monitor re-admits it when it answers again."""
+        return self._set_field(backend_id, "healthy", "0")
+
+    def report_health(self, backend_id: str, ok: bool) -> tuple[bool, bool]:
+        """Record one health check; returns (healthy before, healthy after)."""
+        _registered, before, after = self._health(
+            args=[self.prefix, backend_id, "1" if ok else "0", self.failure_threshold]
+        )
+        return bool(int(before)), bool(int(after))
+
+    def reconcile(self, is_live: Callable[[Iterable[str]], set[str]]) -> int:
+        """Drop the holds of jobs that are no longer live and rebuild every load from the rest.
+
+        `is_live` gets the holding job ids and returns those still live. Returns how many
+        loads were wrong (0 when nothing had leaked).
+        """
+        holding = list(self.holders())
+        live = is_live(holding) if holding else set()
+        dead = [job for job in holding if job not in live]
+        return int(self._reconcile(args=[self.prefix, *dead]))

@@ -1,18 +1,43 @@
-"""Async client of a vLLM server (or anything speaking its HTTP API), token ids in and out.
+"""Async clients of inference servers, token ids in and out; vLLM's `/v1/completions` here.
 
 Completions are requested with a prompt of token ids and come back as the exact generated ids
-with the logprob of each: nothing is re-tokenized on the way. Connection errors and 5xx answers
-are retried with exponential backoff; a 4xx is the caller's mistake and fails at once.
+with the logprob of each: nothing is re-tokenized on the way. `HTTPBackend` is the transport
+every client shares (`VLLMClient` here, `routing.generate.VLLMGenerateClient` for vLLM's
+`/inference/v1/generate`, `routing.sglang.SGLangClient` for SGLang's native `/generate`):
+connection errors and 5xx answers are retried with capped exponential backoff and jitter
+(tenacity); a 4xx is the caller's mistake and fails at once; a timeout is not retried.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""The one convention of `Completion.finish_reason` across clients."""
+
+
+def normalize_finish_reason(reason: str | None) -> str | None:
+    """A backend's finish reason in the clients' convention.
+
+    `"stop"`: EOS, a stop token or a stop string; `"length"`: `max_tokens` or the context;
+    `"abort"`: aborted by the server or by us. vLLM's opt-in repetition detection
+    (`"repetition"`) ends a turn early like a stop; any other value is passed through as is.
+    """
+    if reason is None:
+        return None
+    value = str(reason).lower()
+    if value == "repetition":
+        return "stop"
+    return value
 
 
 @dataclass
@@ -24,10 +49,16 @@ class Completion:
     """One per output id: the logprob of the sampled id (as the backend reports it)."""
     text: str
     finish_reason: str | None
-    """`"stop"` (EOS, stop token or stop string), `"length"` (max_tokens or context), ..."""
+    """`"stop"` (EOS, stop token or stop string), `"length"` (max_tokens or context) or
+    `"abort"` (aborted by the server or by us), whichever backend answered."""
     stop_reason: int | str | None
-    """The stop string or stop token id that ended generation; None for EOS or length."""
+    """The stop string or stop token id that ended generation; None for length (and for EOS
+    on vLLM; SGLang names the EOS id it matched)."""
     prompt_tokens: int
+    backend_id: str | None = None
+    """The backend that generated it (set by the job's router)."""
+    policy_version: int | None = None
+    """The weights it was generated with, as that backend announced them."""
 
 
 class BackendError(Exception):
@@ -67,14 +98,22 @@ def _error_message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-class VLLMClient:
-    """Client of one inference server speaking vLLM's OpenAI-compatible HTTP API.
+class _Retryable(Exception):
+    """A failed attempt that may succeed if repeated (no answer, or a 5xx)."""
+
+    def __init__(self, error: BackendError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class HTTPBackend:
+    """The transport the inference clients share: JSON requests to one server, with retries.
 
     `retries` is how many times a request is repeated after a connection error or a 5xx
     answer (so at most `retries + 1` attempts), waiting `backoff`, `2 * backoff`, ... seconds
-    (capped at 10 s, with jitter) in between. Timeouts are not retried: the server may still
-    be working on the request. Pass `http` to share a connection pool; it is then not closed
-    by `aclose`.
+    plus up to `backoff` of random jitter, capped at `max_backoff`, in between. Timeouts are
+    not retried: the server may still be working on the request. Pass `http` to share a
+    connection pool; it is then not closed by `aclose`.
     """
 
     def __init__(
@@ -86,17 +125,18 @@ class VLLMClient:
         retries: int = 3,
         http: httpx.AsyncClient | None = None,
         backoff: float = 0.5,
+        max_backoff: float = 10.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
         self.retries = max(0, retries)
         self.backoff = backoff
+        self.max_backoff = max_backoff
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
-        self._max_model_len: int | None = None
 
-    async def __aenter__(self) -> VLLMClient:
+    async def __aenter__(self) -> HTTPBackend:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -107,50 +147,142 @@ class VLLMClient:
         if self._owns_http:
             await self._http.aclose()
 
-    # ----------------------------------------------------------------------------- transport
-
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        """The JSON answer to one request, retried as the class says; raises BackendError."""
         url = f"{self.base_url}{path}"
-        attempt = 0
-        while True:
-            try:
-                response = await self._http.request(method, url, json=body, timeout=self.timeout)
-            except httpx.TimeoutException as e:
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retries + 1),
+            wait=wait_exponential_jitter(
+                initial=self.backoff, max=self.max_backoff, jitter=self.backoff
+            ),
+            retry=retry_if_exception_type(_Retryable),
+            reraise=True,
+        )
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    return await self._attempt(method, url, body, headers)
+        except _Retryable as e:
+            error = e.error
+            if attempts > 1:
                 raise BackendError(
-                    f"no answer within {self.timeout:g}s ({type(e).__name__})", url=url
-                ) from e
-            except httpx.TransportError as e:
-                error = BackendError(f"{type(e).__name__}: {e}", url=url)
-            else:
-                if response.status_code < 400:
-                    try:
-                        return response.json() if response.content else None
-                    except ValueError as e:
-                        raise BackendError(
-                            f"answer is not JSON: {response.text[:200]!r}",
-                            status=response.status_code,
-                            url=url,
-                        ) from e
-                error = BackendError(_error_message(response), status=response.status_code, url=url)
-            if not error.retryable or attempt >= self.retries:
-                if attempt:
-                    raise BackendError(
-                        f"{error.message} (after {attempt + 1} attempts)",
-                        status=error.status,
-                        url=url,
-                    )
-                raise error
-            delay = min(10.0, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
-            attempt += 1
-            await asyncio.sleep(delay)
+                    f"{error.message} (after {attempts} attempts)", status=error.status, url=url
+                ) from e.__cause__
+            raise error from e.__cause__
+        raise AssertionError("unreachable: tenacity ends with an answer or an error")
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = await self._request("POST", path, body)
+    async def _attempt(
+        self, method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str] | None
+    ) -> Any:
+        try:
+            response = await self._http.request(
+                method, url, json=body, headers=headers, timeout=self.timeout
+            )
+        except httpx.TimeoutException as e:
+            raise BackendError(
+                f"no answer within {self.timeout:g}s ({type(e).__name__})", url=url
+            ) from e
+        except httpx.TransportError as e:
+            raise _Retryable(BackendError(f"{type(e).__name__}: {e}", url=url)) from e
+        if response.status_code < 400:
+            try:
+                return response.json() if response.content else None
+            except ValueError as e:
+                raise BackendError(
+                    f"answer is not JSON: {response.text[:200]!r}",
+                    status=response.status_code,
+                    url=url,
+                ) from e
+        error = BackendError(_error_message(response), status=response.status_code, url=url)
+        if error.retryable:
+            raise _Retryable(error)
+        raise error
+
+    async def _post(
+        self, path: str, body: dict[str, Any], *, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        return self._object(await self._request("POST", path, body, headers=headers), path)
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        return self._object(await self._request("GET", path), path)
+
+    def _object(self, data: Any, path: str) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise BackendError(
                 f"expected a JSON object, got {data!r:.200}", url=self.base_url + path
             )
         return data
+
+    async def max_model_len(self) -> int:
+        """The server's context length."""
+        raise NotImplementedError
+
+    async def _fit(self, prompt_ids: list[int], max_tokens: int) -> int:
+        """`max_tokens` lowered to what the context leaves after the prompt (kept as given
+        when the context length cannot be asked, or when the prompt fills the context)."""
+        try:
+            room = await self.max_model_len() - len(prompt_ids)
+        except BackendError as e:
+            if e.retryable:
+                raise
+            return max_tokens  # the server cannot say: send max_tokens as given
+        return min(max_tokens, room) if room >= 1 else max_tokens
+
+    async def health(self) -> bool:
+        """Whether `GET /health` answers 200 (one attempt, at most 5 s)."""
+        try:
+            response = await self._http.get(f"{self.base_url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+
+def request_id_header(request_id: str | None) -> dict[str, str] | None:
+    """vLLM's `X-Request-Id` header, which takes precedence over a body's `request_id`."""
+    return None if request_id is None else {"X-Request-Id": request_id}
+
+
+class VLLMClient(HTTPBackend):
+    """Client of one inference server speaking vLLM's OpenAI-compatible HTTP API.
+
+    Completions go through `/v1/completions` with a prompt of token ids and
+    `return_token_ids`; tokenization through `/tokenize` and `/detokenize`. Retries and
+    errors: see `HTTPBackend`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        timeout: float = 600.0,
+        retries: int = 3,
+        http: httpx.AsyncClient | None = None,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+    ) -> None:
+        super().__init__(
+            base_url,
+            model,
+            timeout=timeout,
+            retries=retries,
+            http=http,
+            backoff=backoff,
+            max_backoff=max_backoff,
+        )
+        self._max_model_len: int | None = None
+
+    async def __aenter__(self) -> VLLMClient:
+        return self
 
     # ----------------------------------------------------------------------------- completions
 
@@ -164,6 +296,8 @@ class VLLMClient:
         seed: int | None = None,
         stop: list[str] | None = None,
         fit_context: bool = True,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
     ) -> Completion:
         """Generate after `prompt_ids` and return the exact generated ids and their logprobs.
 
@@ -172,16 +306,13 @@ class VLLMClient:
         `fit_context`, `max_tokens` is lowered to what the context leaves after the prompt
         (vLLM refuses prompt + max_tokens > max_model_len); a prompt that fills the context
         is still sent, and the server's 400 is raised as a BackendError.
+
+        `cache_salt` is sent as vLLM's `cache_salt`: prefix-cache entries made under one salt
+        are not reused under another (or none). `request_id` is sent as the body's
+        `request_id` and the `X-Request-Id` header (vLLM names the request `cmpl-<id>`).
         """
         if fit_context:
-            try:
-                room = await self.max_model_len() - len(prompt_ids)
-            except BackendError as e:
-                if e.retryable:
-                    raise
-                room = 0  # no /tokenize here: send max_tokens as given
-            if room >= 1:
-                max_tokens = min(max_tokens, room)
+            max_tokens = await self._fit(prompt_ids, max_tokens)
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -197,8 +328,20 @@ class VLLMClient:
             body["seed"] = seed
         if stop:
             body["stop"] = list(stop)
-        data = await self._post("/v1/completions", body)
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if request_id is not None:
+            body["request_id"] = request_id
+        data = await self._post("/v1/completions", body, headers=request_id_header(request_id))
         return self._completion(data, prompt_ids)
+
+    async def abort(self, request_id: str) -> None:
+        """Nothing to send: vLLM's OpenAI server has no abort route.
+
+        vLLM aborts a request when its HTTP connection closes, so cancelling the asyncio task
+        that awaits `complete` is the abort (the server counts it as
+        `vllm:request_success_total{finished_reason="abort"}` where it records aborts).
+        """
 
     def _completion(self, data: dict[str, Any], prompt_ids: list[int]) -> Completion:
         url = f"{self.base_url}/v1/completions"
@@ -232,7 +375,7 @@ class VLLMClient:
             output_ids=[int(i) for i in ids],
             logprobs=[float(lp) for lp in logprobs],
             text=str(choice.get("text") or ""),
-            finish_reason=choice.get("finish_reason"),
+            finish_reason=normalize_finish_reason(choice.get("finish_reason")),
             stop_reason=choice.get("stop_reason"),
             prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
         )
@@ -288,11 +431,3 @@ class VLLMClient:
         if self._max_model_len is None:
             raise BackendError("/tokenize answer has no max_model_len", url=self.base_url)
         return self._max_model_len
-
-    async def health(self) -> bool:
-        """Whether `GET /health` answers 200 (one attempt, at most 5 s)."""
-        try:
-            response = await self._http.get(f"{self.base_url}/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200

@@ -54,6 +54,10 @@ SCRIPT: list[dict[str, Any]] = [
     {"match": "Flaky twice", "samples": [["recovered"]], "errors": [503, 503]},
     {"match": "Broken for a while", "samples": [["healed"]], "errors": [502, 502]},
     {"match": "Refuse once", "samples": [["accepted"]], "errors": [400]},
+    {"match": "Hold the line", "samples": [["too late"]], "delay": 60.0},
+    {"match": "Flaky once via completions", "samples": [["back"]], "errors": [503]},
+    {"match": "Flaky once via generate", "samples": [["back"]], "errors": [503]},
+    {"match": "Flaky once via sglang", "samples": [["back"]], "errors": [503]},
 ]
 """The script of `devserver_script`: each test uses entries of its own (errors are consumed)."""
 

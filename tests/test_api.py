@@ -123,14 +123,15 @@ def test_batch_with_one_bad_task_names_it_and_enqueues_nothing(
     assert snapshot(redis_client) == before
 
 
-def test_dynamic_sampling_is_refused_as_not_available(
+def test_dynamic_sampling_that_cannot_work_is_refused(
     http: httpx.Client, with_backend: None, redis_client: redis.Redis
 ) -> None:
+    # more cases in tests/test_dapo_api.py
     before = snapshot(redis_client)
-    body = {"tasks": [GOOD_TASK], "group_size": 2, "dynamic_sampling": {"target_groups": 1}}
+    body = {"tasks": [GOOD_TASK], "group_size": 2, "dynamic_sampling": {"target_groups": 2}}
     answer = http.post("/v1/batches", json=body)
     assert answer.status_code == 422
-    assert field_locs(answer) == ["body.dynamic_sampling"]
+    assert field_locs(answer) == ["body.dynamic_sampling.target_groups"]
     assert snapshot(redis_client) == before
 
 
@@ -240,11 +241,57 @@ def test_backends_register_list_remove(http: httpx.Client) -> None:
     assert http.get("/v1/backends").json() == []
 
 
-def test_sglang_backends_are_refused_until_supported(http: httpx.Client) -> None:
-    spec = {"url": "http://gpu-node-5:30000", "model": "qwen", "kind": "sglang"}
-    answer = http.post("/v1/backends?verify=false", json=spec)
-    assert answer.status_code == 422
-    assert field_locs(answer) == ["body.kind"]
+def test_sglang_backends_register_and_api_is_vllm_only(http: httpx.Client) -> None:
+    spec = {"url": "http://gpu-node-5:30000", "model": "qwen", "kind": "sglang", "capacity": 2}
+    created = http.post("/v1/backends?verify=false", json=spec).json()
+    assert created["kind"] == "sglang" and created["capacity"] == 2.0
+    assert created["state"] == "healthy" and created["idle"] is True
+    wrong = http.post("/v1/backends?verify=false", json={**spec, "api": "generate"})
+    assert wrong.status_code == 422 and field_locs(wrong) == ["body.api"]
+    bad = http.post("/v1/backends?verify=false", json={**spec, "capacity": 0})
+    assert bad.status_code == 422 and field_locs(bad) == ["body.capacity"]
+    vllm = {"url": "http://gpu-node-6:8000", "model": "qwen", "tokenizer": "/models/qwen"}
+    refused = http.post("/v1/backends?verify=false", json=vllm)
+    assert refused.status_code == 422 and field_locs(refused) == ["body.tokenizer"]
+    local = http.post("/v1/backends?verify=false", json={**spec, "tokenizer": "/models/qwen"})
+    assert local.json()["tokenizer"] == "/models/qwen"
+
+
+def test_drain_and_resume_one_and_all(http: httpx.Client, gateway: str) -> None:
+    for name in ("a", "b"):
+        spec = {"url": f"http://gpu-{name}:8000", "model": "qwen", "id": name}
+        assert http.post("/v1/backends?verify=false", json=spec).status_code == 201
+    drained = http.post("/v1/backends/a/drain").json()
+    assert drained["state"] == "draining" and drained["idle"] is True
+    assert http.get("/v1/backends/a").json()["state"] == "draining"
+    resumed = http.post("/v1/backends/a/resume", json={"policy_version": 4}).json()
+    assert resumed["state"] == "healthy" and resumed["policy_version"] == 4
+    assert [b["state"] for b in http.post("/v1/backends/drain?wait=1").json()] == [
+        "draining",
+        "draining",
+    ]
+    after = http.post("/v1/backends/resume", json={"policy_version": 5}).json()
+    assert [(b["state"], b["policy_version"]) for b in after] == [("healthy", 5)] * 2
+    assert http.post("/v1/backends/resume").status_code == 200  # the body is optional
+    for path in ("/v1/backends/nope/drain", "/v1/backends/nope/resume"):
+        missing = http.post(path)
+        assert missing.status_code == 404 and "nope" in missing.json()["detail"]
+    assert http.get("/v1/backends/nope").status_code == 404
+    bad = http.post("/v1/backends/a/resume", json={"policy_version": "x"})
+    assert bad.status_code == 422 and field_locs(bad) == ["body.policy_version"]
+    assert http.post("/v1/backends/a/drain?wait=-1").status_code == 422
+
+
+def test_drain_with_wait_answers_once_idle(http: httpx.Client, redis_client: redis.Redis) -> None:
+    from routing.pool import BackendPool
+
+    http.post("/v1/backends?verify=false", json={"url": "http://a:1", "model": "m", "id": "a"})
+    pool = BackendPool(redis_client)
+    pool.acquire("job-1")
+    held = http.post("/v1/backends/a/drain?wait=0.2").json()
+    assert held["state"] == "draining" and held["idle"] is False and held["in_flight"] == 1
+    pool.request_done("job-1")  # its running request ended: it lets go of the drained backend
+    assert http.post("/v1/backends/a/drain?wait=5").json()["idle"] is True
 
 
 def test_health_stats_and_metrics(http: httpx.Client, with_backend: None) -> None:
@@ -258,6 +305,8 @@ def test_health_stats_and_metrics(http: httpx.Client, with_backend: None) -> Non
     assert 'rollserve_jobs{status="queued"} 1.0' in text
     assert 'rollserve_queue_depth{queue="init"} 1.0' in text
     assert 'rollserve_backend_in_flight{backend="b0"} 0.0' in text
+    assert 'rollserve_backend_state{backend="b0",state="healthy"} 1.0' in text
+    assert 'rollserve_backend_state{backend="b0",state="dead"} 0.0' in text
     assert 'rollserve_stage_duration_seconds_bucket{le="+Inf",stage="run"} 0.0' in text
 
 

@@ -433,3 +433,81 @@ def test_models_lists_the_served_model_and_health_is_ok(model_server: DevBackend
     assert [m["id"] for m in models["data"]] == [model_server.model]
     assert models["data"][0]["max_model_len"] == 2048
     assert httpx.get(f"{model_server.url}/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- other APIs
+
+
+def test_vllm_generate_route_answers_vllms_generate_response(script_server: DevBackend) -> None:
+    prompt = chat_ids(script_server, ask("What is the capital of France?"))
+    sampling = {"max_tokens": 32, "seed": 0, "logprobs": 0, "skip_special_tokens": False}
+    response = httpx.post(
+        f"{script_server.url}/inference/v1/generate",
+        json={"model": script_server.model, "token_ids": prompt, "sampling_params": sampling},
+        headers={"X-Request-Id": "gen-1"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["request_id"] == "generate-tokens-gen-1"
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == IM_END
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{i}" for i in choice["token_ids"]]
+    assert all(c["logprob"] < 0 and len(c["top_logprobs"]) == 1 for c in content)
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    missing = post(
+        script_server, "/inference/v1/generate", {"token_ids": [], "sampling_params": {}}
+    )
+    assert missing.status_code == 400 and "token_ids" in missing.json()["error"]["message"]
+
+
+def test_sglang_generate_route_answers_sglangs_fields(script_server: DevBackend) -> None:
+    prompt = chat_ids(script_server, ask("Spell it"))
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 32, "stop": ["STOP"], "no_stop_trim": True},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": "sgl-1",
+    }
+    response = post(script_server, "/generate", body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    meta = out["meta_info"]
+    assert out["text"] == "alpha STOP"
+    assert meta["id"] == "sgl-1"
+    assert meta["finish_reason"] == {"type": "stop", "matched": "STOP"}
+    assert meta["prompt_tokens"] == len(prompt)
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[0] < 0 and e[2] is None for e in meta["output_token_logprobs"])
+    trimmed = post(script_server, "/generate", {**body, "sampling_params": {"stop": ["STOP"]}})
+    assert trimmed.json()["text"] == "alpha "
+    too_long = post(script_server, "/generate", {"input_ids": [100] * 4096})
+    assert too_long.status_code == 400
+    assert post(script_server, "/abort_request", {"rid": "nothing-running"}).status_code == 200
+
+
+def test_request_id_header_names_the_completion_and_cache_salt_is_validated(
+    script_server: DevBackend,
+) -> None:
+    body = {"model": script_server.model, "prompt": [9707, 1879], "max_tokens": 2}
+    named = httpx.post(
+        f"{script_server.url}/v1/completions",
+        json={**body, "request_id": "from-body"},
+        headers={"X-Request-Id": "from-header"},
+        timeout=60,
+    )
+    assert named.json()["id"] == "cmpl-from-header"
+    assert complete(script_server, **body, request_id="from-body")["id"] == "cmpl-from-body"
+    assert post(script_server, "/v1/completions", {**body, "cache_salt": ""}).status_code == 400
+
+
+def test_detokenize_answers_vllm_and_sglang_fields(script_server: DevBackend) -> None:
+    ids = [9707, 1879, IM_END]
+    vllm = post(script_server, "/detokenize", {"tokens": ids}).json()
+    assert vllm == {"prompt": "Hello world<|im_end|>"}
+    kept = post(script_server, "/detokenize", {"tokens": ids, "skip_special_tokens": False})
+    assert kept.json() == {"text": "Hello world<|im_end|>"}
+    skipped = post(script_server, "/detokenize", {"tokens": ids, "skip_special_tokens": True})
+    assert skipped.json() == {"text": "Hello world"}

@@ -10,7 +10,14 @@ import pytest
 import redis
 
 from api.schemas import BackendSpec
-from routing.pool import BackendPool, NoBackendError, derive_backend_id
+from routing.pool import (
+    DEFAULT_FAILURE_THRESHOLD,
+    BackendPool,
+    NoBackendError,
+    NoHealthyBackendError,
+    Route,
+    derive_backend_id,
+)
 
 
 @pytest.fixture
@@ -102,14 +109,123 @@ def test_release_is_idempotent(pool: BackendPool) -> None:
     assert pool.in_flight() == {"a": 1}
 
 
-def test_assignment_keys_expire(pool: BackendPool, redis_client: redis.Redis) -> None:
+def test_reconcile_drops_holds_of_dead_jobs_and_rebuilds_counts(
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
     pool.register(spec("http://a:8000", id="a"))
-    pool.acquire("job")
-    ttl = redis_client.ttl(pool.job_key("job"))
-    assert 0 < ttl <= 7 * 86400
-    short = BackendPool(redis_client, assignment_ttl=100)
-    short.acquire("job")  # the sticky path refreshes the expiry too
-    assert 0 < redis_client.ttl(pool.job_key("job")) <= 100
+    pool.register(spec("http://b:8000", id="b"))
+    for job in ("j1", "j2", "j3"):
+        pool.acquire(job)
+    assert pool.in_flight() == {"a": 2, "b": 1}
+    # A worker died without releasing j1 and j3, and a count was corrupted.
+    redis_client.hset(pool.load_key, "b", 7)
+    seen: list[str] = []
+
+    def live(jobs: object) -> set[str]:
+        seen.extend(jobs)  # type: ignore[call-overload]
+        return {"j2"}
+
+    assert pool.reconcile(live) == 2
+    assert sorted(seen) == ["j1", "j2", "j3"]
+    assert pool.in_flight() == {"a": 0, "b": 1}
+    assert pool.holders() == {"j2": "b"}
+    # Nothing leaked: a second pass changes nothing, and the heap follows the counts.
+    assert pool.reconcile(lambda jobs: set(jobs)) == 0
+    assert pool.acquire("j4").id == "a"
+
+
+def test_capacity_weights_the_least_loaded_choice(pool: BackendPool) -> None:
+    pool.register(spec("http://big:8000", id="big", capacity=3))
+    pool.register(spec("http://small:8000", id="small", capacity=1))
+    for i in range(8):
+        pool.acquire(f"j{i}")
+    assert pool.in_flight() == {"big": 6, "small": 2}
+    assert pool.get("big").capacity == 3.0  # type: ignore[union-attr]
+
+
+def test_drain_moves_jobs_after_their_request_and_reports_idle(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.register(spec("http://b:8000", id="b"))
+    assert pool.acquire("j1").id == "a"
+    assert pool.acquire("j2").id == "b"
+    assert pool.drain("a")
+    drained = pool.get("a")
+    assert drained is not None and drained.state == "draining" and not drained.idle
+    # Nothing new goes to a draining backend.
+    assert pool.acquire("j3").id == "b"
+    # j1's running request finishes: the hold is given up at once, so a is idle.
+    assert pool.request_done("j1") is True
+    assert pool.request_done("j2") is False  # b still takes work: j2 stays sticky
+    drained = pool.get("a")
+    assert drained is not None and drained.idle and drained.in_flight == 0
+    # j1's next request moves to the least-loaded backend that takes work.
+    route = pool.route("j1")
+    assert route.backend_id == "b" and not route.moved  # the hold was already given up
+    assert pool.in_flight() == {"a": 0, "b": 3}
+    assert pool.resume("a", policy_version=5)
+    resumed = pool.get("a")
+    assert resumed is not None and resumed.state == "healthy" and resumed.policy_version == 5
+    assert pool.acquire("j4").id == "a"
+    assert not pool.drain("nope") and not pool.resume("nope")
+
+
+def test_a_job_on_a_drained_backend_moves_on_its_next_route(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.register(spec("http://b:8000", id="b"))
+    pool.acquire("j1")
+    pool.drain("a")
+    route = pool.route("j1")
+    assert route.backend_id == "b" and route.left == "a" and route.moved
+    assert pool.in_flight() == {"a": 0, "b": 1}
+
+
+def test_all_drained_raises_no_healthy_backend(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.acquire("j1")
+    pool.drain("a")
+    with pytest.raises(NoHealthyBackendError, match="draining or dead"):
+        pool.route("j1")
+    assert pool.in_flight() == {"a": 0} and pool.backend_of("j1") is None
+    pool.resume("a")
+    assert pool.route("j1").backend_id == "a"
+
+
+def test_health_failures_evict_and_a_success_readmits(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.register(spec("http://b:8000", id="b"))
+    assert pool.acquire("j1").id == "a"
+    for _ in range(DEFAULT_FAILURE_THRESHOLD - 1):
+        assert pool.report_health("a", False) == (True, True)
+    assert pool.get("a").failures == DEFAULT_FAILURE_THRESHOLD - 1  # type: ignore[union-attr]
+    assert pool.report_health("a", False) == (True, False)
+    assert pool.get("a").state == "dead"  # type: ignore[union-attr]
+    assert pool.route("j1").backend_id == "b"
+    assert pool.acquire("j2").id == "b"
+    assert pool.report_health("a", True) == (False, True)
+    back = pool.get("a")
+    assert back is not None and back.state == "healthy" and back.failures == 0
+    assert pool.acquire("j3").id == "a"
+
+
+def test_mark_dead_takes_a_backend_out_at_once(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.register(spec("http://b:8000", id="b"))
+    pool.acquire("j1")
+    assert pool.mark_dead("a")
+    assert pool.route("j1") == Route("b", left="a", url="http://b:8000")
+    # Draining and dead at once: resume alone does not bring back a dead backend.
+    pool.drain("a")
+    pool.resume("a")
+    assert pool.get("a").state == "dead"  # type: ignore[union-attr]
+    assert pool.assignable() == 1
+
+
+def test_reregistering_keeps_drain_and_load(pool: BackendPool) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    pool.acquire("j1")
+    pool.drain("a")
+    again = pool.register(spec("http://a:8000", id="a", policy_version=9))
+    assert again.state == "draining" and again.in_flight == 1 and again.policy_version == 9
 
 
 def test_remove_reassigns_and_release_does_not_recreate(pool: BackendPool) -> None:

@@ -124,6 +124,8 @@ async def run_episode(
             llm_seconds=llm_seconds,
             tool_calls=[c.as_dict() for c in parsed.calls],
         )
+        model_turn.backend_id = completion.backend_id
+        model_turn.policy_version = completion.policy_version
         builder.malformed_tool_calls += len(parsed.errors)
         on_turn(builder)
 

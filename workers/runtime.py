@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -16,8 +16,8 @@ from api.schemas import Backend, JobStatus, StageError
 from broker.jobstore import JobNotFound, JobStore
 from broker.settings import Settings, get_settings
 from routing.chat import ChatTemplater
+from routing.clients import InferenceClient, make_client
 from routing.pool import BackendPool
-from routing.vllm import VLLMClient
 from sandbox.keeper import release
 
 T = TypeVar("T")
@@ -31,7 +31,7 @@ class Runtime:
     store: JobStore
     pool: BackendPool
     _loop: asyncio.AbstractEventLoop | None = None
-    _clients: dict[str, tuple[str, VLLMClient, ChatTemplater]] = field(default_factory=dict)
+    _clients: dict[str, tuple[str, InferenceClient, ChatTemplater]] = field(default_factory=dict)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on this process's event loop; one broken by an interrupt is replaced."""
@@ -44,20 +44,34 @@ class Runtime:
             self._discard_loop()
             raise
 
-    def policy(self, backend: Backend) -> tuple[VLLMClient, ChatTemplater]:
-        """The client and templater of `backend`, rebuilt if its URL or model changed."""
-        key = f"{backend.url}|{backend.model}"
+    def policy(self, backend: Backend) -> tuple[InferenceClient, ChatTemplater]:
+        """The client and templater of `backend`, rebuilt if its URL, API or model changed."""
+        key = f"{backend.kind}|{backend.api}|{backend.url}|{backend.model}|{backend.tokenizer}"
         cached = self._clients.get(backend.id)
         if cached is None or cached[0] != key:
-            client = VLLMClient(
+            client = make_client(
+                backend.kind,
+                backend.api,
                 backend.url,
                 backend.model,
                 timeout=self.settings.backend_timeout,
                 retries=self.settings.backend_retries,
+                tokenizer=backend.tokenizer,
             )
             cached = (key, client, ChatTemplater(client))
             self._clients[backend.id] = cached
         return cached[1], cached[2]
+
+    def job_live(self, job_id: str) -> bool:
+        """Whether the job has not reached a final status (a missing job is not live)."""
+        try:
+            return not self.store.status(job_id).terminal
+        except JobNotFound:
+            return False
+
+    def live_jobs(self, job_ids: Iterable[str]) -> set[str]:
+        """Those of `job_ids` that are live."""
+        return {job_id for job_id in job_ids if self.job_live(job_id)}
 
     def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
         """End a job that will not complete (keeping its partial trajectory); free its backend
@@ -76,6 +90,7 @@ class Runtime:
             return
         if sandbox is not None and sandbox.get("host") == self.settings.node_name:
             release(sandbox)
+            self.store.sandbox_released(job_id)  # a cancelled job's stop waits for this
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None
@@ -101,7 +116,7 @@ def get_runtime() -> Runtime:
             Runtime(
                 settings=settings,
                 store=JobStore(client, settings.key_prefix, settings.job_ttl),
-                pool=BackendPool(client, settings.key_prefix),
+                pool=BackendPool(client, settings.key_prefix, settings.health_failures),
             ),
         )
     return _runtime[1]

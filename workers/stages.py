@@ -10,15 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api.schemas import JobStatus
+from api.schemas import JobStatus, Trajectory
 from broker.jobstore import JobRecord
-from routing.chat import ChatTemplater
-from routing.vllm import VLLMClient
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
 from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
+from workers.routed import JobCancelled, RoutedPolicy
 from workers.runtime import Runtime
 from workers.trajectory import TrajectoryBuilder
 
@@ -73,7 +72,9 @@ def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
 
 
 def run_stage(rt: Runtime, job_id: str) -> bool:
-    """Run the agent loop on the job's backend, saving the trajectory after every turn."""
+    """Run the agent loop, each request routed through the backend pool, saving the trajectory
+    after every turn. A job cancelled meanwhile stops within one turn (its in-flight request
+    is aborted) and gives back its backend and sandbox."""
     started = time.perf_counter()
     record = _enter(rt, job_id, JobStatus.run)
     if record is None:
@@ -81,34 +82,40 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     if record.context is None:
         raise RuntimeError("the job reached RUN without the context INIT prepares")
     handler = get_handler(record.data_source)
-    backend = rt.pool.acquire(job_id)
+    routed = RoutedPolicy(
+        rt.pool,
+        job_id,
+        rt.policy,
+        is_live=lambda: rt.job_live(job_id),
+        backend_wait=rt.settings.backend_wait,
+        failovers=rt.settings.backend_failovers,
+    )
+    trajectory = rt.store.skeleton(record)
+    trajectory.status = JobStatus.run
+
+    def save(builder: TrajectoryBuilder) -> None:
+        builder.fill(trajectory)
+        _stamp_backend(trajectory, routed)
+        rt.store.save_partial(job_id, trajectory)
+
     try:
-        rt.store.set_fields(job_id, backend_id=backend.id, policy_version=backend.policy_version)
-        trajectory = rt.store.skeleton(record)
-        trajectory.backend_id = backend.id
-        trajectory.policy_version = backend.policy_version
-        trajectory.status = JobStatus.run
-
-        def save(builder: TrajectoryBuilder) -> None:
-            rt.store.save_partial(job_id, builder.fill(trajectory))
-
-        client, templater = rt.policy(backend)
         episode = rt.run(
             _episode_with_tools(
-                rt,
-                record,
-                handler,
-                client,
-                templater,
-                limits_for(record, rt.settings.tool_timeout),
-                save,
+                record, handler, routed, limits_for(record, rt.settings.tool_timeout), save
             )
         )
-        episode.builder.fill(trajectory)
-        trajectory.stop_reason = episode.stop_reason
-        trajectory.truncated = episode.truncated
+    except JobCancelled:
+        rt.release_sandbox(job_id)
+        return False
     finally:
         rt.pool.release(job_id)
+    episode.builder.fill(trajectory)
+    _stamp_backend(trajectory, routed)
+    rt.store.set_fields(
+        job_id, backend_id=trajectory.backend_id, policy_version=trajectory.policy_version
+    )
+    trajectory.stop_reason = episode.stop_reason
+    trajectory.truncated = episode.truncated
     if record.sandbox is not None:
         tool_timeout = rt.settings.tool_timeout
         with ToolClient(record.sandbox["socket_path"], timeout=tool_timeout) as tools:
@@ -120,12 +127,19 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     return True
 
 
+def _stamp_backend(trajectory: Trajectory, routed: RoutedPolicy) -> None:
+    """The trajectory's backend is the latest one; its policy version is the first turn's
+    (the oldest weights in it: every turn carries its own)."""
+    if routed.backend is not None:
+        trajectory.backend_id = routed.backend.id
+    versions = [t.policy_version for t in trajectory.turns if t.type == "model"]
+    trajectory.policy_version = versions[0] if versions else None
+
+
 async def _episode_with_tools(
-    rt: Runtime,
     record: JobRecord,
     handler: Handler,
-    client: VLLMClient,
-    templater: ChatTemplater,
+    routed: RoutedPolicy,
     limits: Limits,
     save: Callable[[TrajectoryBuilder], None],
 ) -> Episode:
@@ -139,8 +153,8 @@ async def _episode_with_tools(
             record.task,
             record.context["messages"],
             record.context.get("tools"),
-            client,
-            templater,
+            routed,
+            routed,
             limits,
             on_turn=save,
             runner=runner,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from celery import Task, shared_task
@@ -15,10 +16,12 @@ from celery.signals import worker_init, worker_ready
 
 from api.schemas import JobStatus, StageError
 from broker.celery_app import node_queue
-from broker.jobstore import JobNotFound, JobStore
+from broker.jobstore import JobNotFound
+from routing.health import sweep, take_turn
 from sandbox.reaper import reap
 from workers import stages
 from workers.handlers.registry import get_handler, known_handlers
+from workers.lifecycle import tracked  # also registers the revoke handler and release command
 from workers.runtime import Runtime, get_runtime
 
 log = logging.getLogger(__name__)
@@ -99,22 +102,13 @@ def warm_handlers(sender: Any = None, **_: Any) -> None:
             log.exception("warming up the %s handler failed; its first job will be slower", name)
 
 
-def job_is_live(store: JobStore, job_id: str) -> bool:
-    """A sandbox's job is live while it has not reached a final status."""
-    try:
-        return not store.status(job_id).terminal
-    except JobNotFound:
-        return False
-
-
 def reap_forever(interval: float) -> None:
     """Every `interval` seconds, stop this host's sandboxes whose job ended or lease expired."""
     while True:
         time.sleep(interval)
         try:
-            store = get_runtime().store
-            state_root = get_runtime().settings.sandbox_dir.resolve()
-            reaped = reap(state_root, partial(job_is_live, store))
+            rt = get_runtime()
+            reaped = reap(rt.settings.sandbox_dir.resolve(), rt.job_live)
             if reaped:
                 log.info("reaped sandboxes %s", ", ".join(reaped))
         except Exception:
@@ -128,16 +122,40 @@ def start_reaper(**_: Any) -> None:
     threading.Thread(target=reap_forever, args=(interval,), name="reaper", daemon=True).start()
 
 
+def watch_backends_forever(interval: float) -> None:
+    """Every `interval` seconds, one worker of the fleet probes the backends and reconciles
+    the pool's counts (a Redis lock picks which)."""
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    while True:
+        time.sleep(interval)
+        try:
+            rt = get_runtime()
+            lock = f"{rt.settings.key_prefix}pool:sweep-lock"
+            if take_turn(rt.pool.client, lock, owner, interval):
+                sweep(rt.pool, rt.live_jobs)
+        except Exception:
+            log.exception("backend health sweep failed; trying again in %.0fs", interval)
+
+
+@worker_ready.connect
+def start_backend_watch(**_: Any) -> None:
+    """Each worker takes its turn at the backend health checks."""
+    interval = get_runtime().settings.health_interval
+    threading.Thread(
+        target=watch_backends_forever, args=(interval,), name="backend-health", daemon=True
+    ).start()
+
+
 @shared_task(name="rollserve.init", bind=True)
 def init_task(self: Task, job_id: str) -> None:
-    execute_stage(self, "init", job_id, stages.init_stage)
+    tracked(self, job_id, lambda: execute_stage(self, "init", job_id, stages.init_stage))
 
 
 @shared_task(name="rollserve.run", bind=True)
 def run_task(self: Task, job_id: str) -> None:
-    execute_stage(self, "run", job_id, stages.run_stage)
+    tracked(self, job_id, lambda: execute_stage(self, "run", job_id, stages.run_stage))
 
 
 @shared_task(name="rollserve.eval", bind=True)
 def eval_task(self: Task, job_id: str) -> None:
-    execute_stage(self, "eval", job_id, stages.eval_stage)
+    tracked(self, job_id, lambda: execute_stage(self, "eval", job_id, stages.eval_stage))

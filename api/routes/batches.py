@@ -1,8 +1,13 @@
-"""`/v1/batches`: groups of jobs, their progress and their results as a stream."""
+"""`/v1/batches`: groups of jobs, their progress and their results as a stream.
+
+A batch with `dynamic_sampling` draws groups from its tasks until `target_groups` informative
+groups are complete (see `broker/dapo.py`): `POST` answers with the first groups' jobs, the
+results stream carries only the accepted groups' trajectories and ends once nothing of the
+batch runs any more, and the progress carries the sampling statistics under `dynamic`."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
 from api import service
@@ -21,7 +26,7 @@ def submit(body: BatchRequest, svc: Services = Depends(services)) -> BatchAccept
 
 @router.get("/{batch_id}", response_model=BatchProgress)
 def progress(batch_id: str, svc: Services = Depends(services)) -> BatchProgress:
-    return svc.store.batch_progress(batch_id)
+    return service.batch_progress(svc, batch_id)
 
 
 @router.get(
@@ -30,7 +35,11 @@ def progress(batch_id: str, svc: Services = Depends(services)) -> BatchProgress:
     responses={200: {"content": {"application/x-ndjson": {}}}},
 )
 def results(batch_id: str, svc: Services = Depends(services)) -> StreamingResponse:
-    """Finished trajectories as NDJSON, each as soon as it finishes; ends when all have."""
+    """Finished trajectories as NDJSON, each as soon as it finishes; ends when all have.
+
+    For a dynamic batch: the trajectories of each accepted group as it is accepted, exactly
+    `target_groups` groups (fewer if the pool ran out); ends once the batch is done, when no
+    job of it runs and no sandbox or backend slot of it is held."""
     svc.store.batch_progress(batch_id)  # 404 before the stream starts
     return StreamingResponse(
         service.stream_results(svc, batch_id), media_type="application/x-ndjson"
@@ -38,5 +47,14 @@ def results(batch_id: str, svc: Services = Depends(services)) -> StreamingRespon
 
 
 @router.delete("/{batch_id}", response_model=BatchProgress)
-def cancel(batch_id: str, svc: Services = Depends(services)) -> BatchProgress:
-    return service.cancel_batch(svc, batch_id)
+def cancel(
+    batch_id: str,
+    wait: float = Query(
+        30.0, ge=0.0, description="seconds to wait until every cancelled job has stopped"
+    ),
+    svc: Services = Depends(services),
+) -> BatchProgress:
+    """Stop all work of the batch: queued stage tasks revoked, running ones terminated, their
+    sandboxes and backend slots freed. Answers once that is confirmed (`done`) or after
+    `wait` seconds."""
+    return service.cancel_batch(svc, batch_id, wait)

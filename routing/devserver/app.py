@@ -1,20 +1,30 @@
-"""The HTTP API of the development server: vLLM's OpenAI-compatible routes rollserve uses.
+"""The HTTP API of the development server: the inference routes rollserve's clients use.
 
-`POST /v1/completions`, `POST /tokenize`, `POST /detokenize`, `GET /v1/models`, `GET /health`,
-`GET /metrics` and `GET /version`, with vLLM's field names, defaults, validation messages and
-error bodies. One completion runs on the engine at a time, in a worker thread, so the event
-loop keeps answering (health checks, tokenization, metrics) while a model call runs.
+vLLM's OpenAI-compatible server: `POST /v1/completions`, `POST /tokenize`, `POST /detokenize`,
+`GET /v1/models`, `GET /health`, `GET /metrics` and `GET /version`, with vLLM's field names,
+defaults, validation messages and error bodies; vLLM's tokens-in/tokens-out
+`POST /inference/v1/generate`. SGLang's native API: `POST /generate` and
+`POST /abort_request` (SGLang's `/tokenize`, `/v1/models` and `/health` are the routes above;
+`/detokenize` answers both dialects: `text` to a request with SGLang's `skip_special_tokens`,
+`prompt` otherwise, as vLLM).
+
+One completion runs on the engine at a time, in a worker thread, so the event loop keeps
+answering (health checks, tokenization, metrics, aborts) while a model call runs. As in vLLM,
+a client that disconnects aborts its request; SGLang's `/abort_request` aborts the request
+with that `rid`. Either stops the generation before its next token and is counted in
+`vllm:request_success_total{finished_reason="abort"}`. A scripted delay counts as waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,18 +32,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from routing.devserver.engine import Engine, Generation, SamplingParams
+from routing.clients import template_messages
+from routing.devserver.engine import Engine, Generation, Plan, SamplingParams
 from routing.devserver.metrics import ServerMetrics
 from routing.devserver.protocol import (
     LOGPROB_FLOOR,
+    SAMPLING_EPS,
+    AbortRequest,
     CompletionRequest,
     DetokenizeRequest,
+    GenerateRequest,
     RequestError,
+    SGLangGenerateRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenSamplingParams,
     error_body,
     tool_for_template,
 )
+
+T = TypeVar("T")
 
 VERSION = "0.0.0+rollserve.dev"
 """What `GET /version` reports: this is not vLLM, only its API."""
@@ -61,38 +79,56 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 
 
 def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to the chat template.
+    """Messages as vLLM hands them to the chat template (`routing.clients.template_messages`)."""
+    try:
+        return template_messages(messages)
+    except ValueError as e:
+        raise RequestError(str(e), param="messages") from e
 
-    Text parts of list contents are joined with newlines, and JSON-string tool call arguments
-    are parsed into objects (templates render them with `tojson`).
+
+class _Job:
+    """A request on its way through the server, which an abort can stop."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._wake = asyncio.Event()
+
+    @property
+    def aborted(self) -> bool:
+        return self.plan.cancel.is_set()
+
+    def abort(self) -> None:
+        self.plan.cancel.set()
+        self._wake.set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds`, or less if aborted meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (vLLM's `with_cancellation`).
+
+    Returns None when the client went away.
     """
-    out = []
-    for message in messages:
-        m = dict(message)
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
-            m["content"] = "\n".join(t for t in texts if isinstance(t, str))
-        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-            calls = []
-            for call in m["tool_calls"]:
-                call = dict(call)
-                function = dict(call.get("function") or {})
-                args = function.get("arguments")
-                if not args:
-                    function["arguments"] = {}
-                elif isinstance(args, str):
-                    try:
-                        function["arguments"] = json.loads(args)
-                    except json.JSONDecodeError as e:
-                        raise RequestError(
-                            f"tool call arguments are not valid JSON: {e}", param="messages"
-                        ) from e
-                call["function"] = function
-                calls.append(call)
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 class DevServer:
@@ -103,6 +139,7 @@ class DevServer:
         self.metrics = ServerMetrics(engine.served_model_name)
         self.created = int(time.time())
         self._lock = asyncio.Lock()
+        self._jobs: dict[str, _Job] = {}
 
     # --- validation shared by the routes
 
@@ -139,8 +176,8 @@ class DevServer:
             prompts.append(ids)
         return prompts
 
-    def _sampling(self, req: CompletionRequest) -> SamplingParams:
-        if req.echo:
+    def _sampling(self, req: CompletionRequest | TokenSamplingParams) -> SamplingParams:
+        if getattr(req, "echo", False):
             raise RequestError("`echo` is not supported by the development server.", param="echo")
         if req.prompt_logprobs is not None:
             raise RequestError(
@@ -213,35 +250,89 @@ class DevServer:
 
     # --- completions
 
-    async def _run(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def _run(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Generation:
+        """Run one completion; it can be aborted by `abort(request_id)` or by cancelling."""
         plan = self.engine.plan(prompt, params)
-        if plan.delay > 0:
-            await asyncio.sleep(plan.delay)
-        if plan.error_status is not None:
-            raise RequestError(
-                f"Scripted failure ({plan.error_status}) of the development server.",
-                plan.error_status,
-            )
+        job = _Job(plan)
+        if request_id is not None:
+            self._jobs[request_id] = job
         waiting, running = self.metrics.gauge("waiting"), self.metrics.gauge("running")
         waiting.inc()
+        queued = True
         try:
+            if plan.delay > 0:
+                await job.sleep(plan.delay)
+            if job.aborted:
+                self.metrics.record_aborted()
+                return self._aborted()
+            if plan.error_status is not None:
+                raise RequestError(
+                    f"Scripted failure ({plan.error_status}) of the development server.",
+                    plan.error_status,
+                )
             await self._lock.acquire()
-        finally:
             waiting.dec()
-        running.inc()
-        self.metrics.record_prompt(prompt)
-        work = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, plan))
+            queued = False
+            if job.aborted:
+                self._lock.release()
+                self.metrics.record_aborted()
+                return self._aborted()
+            running.inc()
+            cached = self.metrics.record_prompt(prompt, cache_salt)
+            work = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, plan))
 
-        def _release(_: object) -> None:
-            running.dec()
-            self._lock.release()
+            def _release(done: asyncio.Future[Generation]) -> None:
+                running.dec()
+                self._lock.release()
+                if not done.cancelled() and done.exception() is None:
+                    result = done.result()
+                    self.metrics.record_finished(
+                        prompt, result.token_ids, result.finish_reason, cache_salt
+                    )
 
-        # The lock is held until the model call really ends: a cancelled request cannot stop
-        # its thread, and the next one must not run beside it.
-        work.add_done_callback(_release)
-        result = await asyncio.shield(work)
-        self.metrics.record_finished(prompt, result.token_ids, result.finish_reason)
-        return result
+            # The lock is held until the model call really ends: a cancelled request stops
+            # its thread at the next token, and the next one must not run beside it.
+            work.add_done_callback(_release)
+            try:
+                result = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                job.abort()
+                raise
+            return replace(result, cached_tokens=cached)
+        except asyncio.CancelledError:
+            if queued:
+                self.metrics.record_aborted()
+            raise
+        finally:
+            if queued:
+                waiting.dec()
+            if request_id is not None and self._jobs.get(request_id) is job:
+                del self._jobs[request_id]
+
+    def _aborted(self) -> Generation:
+        return Generation(
+            token_ids=[],
+            logprobs=[],
+            top_logprobs=[],
+            text="",
+            finish_reason="abort",
+            stop_reason=None,
+        )
+
+    def abort(self, request_id: str, *, abort_all: bool = False) -> int:
+        """Abort the running request named `request_id` (or all); returns how many."""
+        jobs = list(self._jobs.values()) if abort_all else [self._jobs.get(request_id)]
+        aborted = [job for job in jobs if job is not None and not job.aborted]
+        for job in aborted:
+            job.abort()
+        return len(aborted)
 
     def _logprobs_body(self, gen: Generation, k: int) -> dict[str, Any]:
         tokens: list[str] = []
@@ -264,9 +355,13 @@ class DevServer:
             "top_logprobs": top,
         }
 
-    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
-        """A vLLM `CompletionResponse` for the request."""
+    async def completions(
+        self, req: CompletionRequest, header_request_id: str | None = None
+    ) -> dict[str, Any]:
+        """A vLLM `CompletionResponse` for the request (named `cmpl-<X-Request-Id or
+        request_id>`, as vLLM names it)."""
         self.check_model(req.model)
+        base_id = header_request_id or req.request_id or uuid.uuid4().hex
         params = self._sampling(req)
         prompts = self._prompts(req)
         for prompt in prompts:
@@ -278,7 +373,12 @@ class DevServer:
                 sample_params = params
                 if params.seed is not None and i > 0:
                     sample_params = replace(params, seed=params.seed + i)
-                gen = await self._run(prompt, sample_params)
+                gen = await self._run(
+                    prompt,
+                    sample_params,
+                    cache_salt=req.cache_salt,
+                    request_id=f"cmpl-{base_id}",
+                )
                 choices.append(
                     {
                         "index": len(choices),
@@ -298,7 +398,7 @@ class DevServer:
                 completion_tokens += len(gen.token_ids)
             prompt_tokens += len(prompt)
         return {
-            "id": f"cmpl-{req.request_id or uuid.uuid4().hex}",
+            "id": f"cmpl-{base_id}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.engine.served_model_name,
@@ -313,6 +413,170 @@ class DevServer:
             },
             "kv_transfer_params": None,
         }
+
+    # --- vLLM's tokens in, tokens out
+
+    async def generate_tokens(
+        self, req: GenerateRequest, header_request_id: str | None = None
+    ) -> dict[str, Any]:
+        """A vLLM `GenerateResponse` for a `POST /inference/v1/generate` request."""
+        self.check_model(req.model)
+        if req.stream:
+            raise RequestError("Streaming is not supported by the development server.")
+        prompt = list(req.token_ids)
+        self._check_vocab(prompt, "token_ids")
+        limit = self.engine.max_model_len
+        if len(prompt) >= limit:
+            raise RequestError(
+                f"The decoder prompt (length {len(prompt)}) is longer than the maximum model "
+                f"length of {limit}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens.",
+                param="token_ids",
+            )
+        sampling = req.sampling_params
+        if "max_tokens" not in (sampling.model_fields_set or set()):
+            sampling = sampling.model_copy(update={"max_tokens": limit - len(prompt)})
+        params = self._sampling(sampling)
+        request_id = f"generate-tokens-{header_request_id or req.request_id or uuid.uuid4().hex}"
+        gen = await self._run(prompt, params, cache_salt=req.cache_salt, request_id=request_id)
+        logprobs = None
+        if params.logprobs is not None:
+            content = []
+            for i, token_id in enumerate(gen.token_ids):
+                entries = gen.top_logprobs[i] if gen.top_logprobs is not None else []
+                top = [
+                    {"token": f"token_id:{t}", "logprob": max(lp, LOGPROB_FLOOR), "bytes": None}
+                    for t, lp in entries[: max(params.logprobs, 1)]
+                ]
+                content.append(
+                    {
+                        "token": f"token_id:{token_id}",
+                        "logprob": max(gen.logprobs[i], LOGPROB_FLOOR),
+                        "bytes": None,
+                        "top_logprobs": top,
+                    }
+                )
+            logprobs = {"content": content}
+        return {
+            "request_id": request_id,
+            "model": self.engine.served_model_name,
+            "created": int(time.time()),
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": logprobs,
+                    "finish_reason": gen.finish_reason,
+                    "token_ids": gen.token_ids,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(gen.token_ids),
+                "completion_tokens": len(gen.token_ids),
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }
+
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        bad = [i for i in ids if i >= self.engine.vocab_size]
+        if bad:
+            raise RequestError(
+                f"Token id {bad[0]} is out of vocabulary (size {self.engine.vocab_size}).",
+                param=param,
+            )
+
+    # --- SGLang's native API
+
+    def _sglang_sampling(self, req: SGLangGenerateRequest, prompt_len: int) -> SamplingParams:
+        p = req.sampling_params
+        if p.n != 1:
+            raise RequestError("n > 1 is not supported by the development server.")
+        temperature = 1.0 if p.temperature is None else p.temperature
+        if temperature < 0:
+            raise RequestError(
+                f"temperature must be a non-negative finite number, got {temperature}."
+            )
+        top_p = 1.0 if p.top_p is None else p.top_p
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+        top_k = -1 if p.top_k is None else p.top_k
+        if top_k < 1 and top_k != -1:
+            raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise RequestError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({limit} tokens)."
+            )
+        max_new = limit - prompt_len if p.max_new_tokens is None else p.max_new_tokens
+        if max_new < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+        if prompt_len + max_new > limit:
+            raise RequestError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{limit} tokens. You requested a total of {prompt_len + max_new} tokens: "
+                f"{prompt_len} tokens from the input messages and {max_new} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit."
+            )
+        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        return SamplingParams(
+            max_tokens=max(1, max_new),
+            temperature=0.0 if temperature < SAMPLING_EPS else temperature,
+            top_p=top_p,
+            top_k=0 if top_k == -1 else top_k,
+            seed=p.sampling_seed,
+            stop=[s for s in stop if s],
+            stop_token_ids=list(p.stop_token_ids or []),
+            include_stop_str_in_output=p.no_stop_trim,
+            skip_special_tokens=p.skip_special_tokens,
+            ignore_eos=p.ignore_eos,
+            logprobs=(req.top_logprobs_num or 0) if req.return_logprob else None,
+        )
+
+    def _sglang_finish(self, gen: Generation, params: SamplingParams) -> dict[str, Any]:
+        if gen.finish_reason == "length":
+            return {"type": "length", "length": len(gen.token_ids)}
+        if gen.finish_reason == "abort":
+            return {"type": "abort", "message": "Abort before the request finished."}
+        matched = gen.stop_reason
+        if matched is None and gen.token_ids:
+            matched = gen.token_ids[-1]  # SGLang names the EOS id it matched
+        return {"type": "stop", "matched": matched}
+
+    async def sglang_generate(self, req: SGLangGenerateRequest) -> dict[str, Any]:
+        """SGLang's `/generate` answer: `{"text", "output_ids", "meta_info"}`."""
+        started = time.monotonic()
+        if req.stream:
+            raise RequestError("Streaming is not supported by the development server.")
+        if req.input_ids is not None:
+            prompt = list(req.input_ids)
+        elif req.text is not None:
+            prompt = self.engine.encode(req.text)
+        else:
+            raise RequestError("Either text, input_ids or input_embeds should be provided.")
+        if not prompt:
+            raise RequestError("input_ids cannot be empty.")
+        self._check_vocab(prompt, "input_ids")
+        params = self._sglang_sampling(req, len(prompt))
+        rid = req.rid or uuid.uuid4().hex
+        gen = await self._run(prompt, params, cache_salt=req.cache_salt or None, request_id=rid)
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": self._sglang_finish(gen, params),
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(gen.token_ids),
+            "cached_tokens": gen.cached_tokens,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [max(lp, LOGPROB_FLOOR), token_id, None]
+                for lp, token_id in zip(gen.logprobs, gen.token_ids, strict=True)
+            ]
+        meta["e2e_latency"] = time.monotonic() - started
+        return {"text": gen.text, "output_ids": gen.token_ids, "meta_info": meta}
 
     # --- tokenization
 
@@ -359,12 +623,17 @@ class DevServer:
         }
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        """A vLLM `DetokenizeResponse`: the text of the ids, special tokens kept."""
+        """The text of the ids: vLLM's `DetokenizeResponse` (`prompt`, special tokens kept),
+        or SGLang's (`text`) for a request in SGLang's dialect, told by its
+        `skip_special_tokens` field (which vLLM's request does not have)."""
         self.check_model(req.model)
         bad = [i for i in req.tokens if i >= self.engine.vocab_size]
         if bad:
             raise RequestError(f"Token id {bad[0]} is out of vocabulary.", param="tokens")
-        return {"prompt": self.engine.decode(req.tokens)}
+        text = self.engine.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+        if "skip_special_tokens" in req.model_fields_set:
+            return {"text": text}
+        return {"prompt": text}
 
     def models(self) -> dict[str, Any]:
         """A vLLM `ModelList` with the one served model."""
@@ -423,7 +692,11 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
-        body = await server.completions(req)
+        body = await _cancel_on_disconnect(
+            request, server.completions(req, request.headers.get("X-Request-Id"))
+        )
+        if body is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
         if not req.stream:
             return JSONResponse(body)
 
@@ -433,6 +706,26 @@ def create_app(engine: Engine) -> FastAPI:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/inference/v1/generate")
+    async def generate_tokens(request: Request) -> Response:
+        req: GenerateRequest = await _parse(request, GenerateRequest)
+        body = await _cancel_on_disconnect(
+            request, server.generate_tokens(req, request.headers.get("X-Request-Id"))
+        )
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    @app.post("/generate")
+    async def sglang_generate(request: Request) -> Response:
+        req: SGLangGenerateRequest = await _parse(request, SGLangGenerateRequest)
+        body = await _cancel_on_disconnect(request, server.sglang_generate(req))
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req: AbortRequest = await _parse(request, AbortRequest)
+        server.abort(req.rid, abort_all=req.abort_all)
+        return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

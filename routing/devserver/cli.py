@@ -26,8 +26,9 @@ def _serve_parser() -> argparse.ArgumentParser:
         prog="rollserve dev-backend",
         description=(
             "Development inference server: vLLM's HTTP API (completions with token ids and "
-            "logprobs, /tokenize, /detokenize, /metrics) for a local model on the CPU, or "
-            "scripted completions."
+            "logprobs, /inference/v1/generate, /tokenize, /detokenize, /metrics) and SGLang's "
+            "native /generate and /abort_request, for a local model on the CPU, or scripted "
+            "completions."
         ),
     )
     parser.add_argument("--model", type=Path, help="Hugging Face model directory (default: tiny)")

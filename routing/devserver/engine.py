@@ -3,7 +3,8 @@
 Both produce what vLLM's engine produces for a completion request: the generated token ids,
 the raw logprob of each (log-softmax of the unprocessed logits, vLLM's default `raw_logprobs`),
 the detokenized text, and why generation ended, with vLLM's stopping rules (EOS, stop token
-ids, `max_tokens`, stop strings and `include_stop_str_in_output`).
+ids, `max_tokens`, stop strings and `include_stop_str_in_output`). A completion whose plan's
+`cancel` event is set stops before its next token and finishes with `"abort"`.
 
 torch and transformers are imported only when an engine is loaded.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,8 @@ class Plan:
     """Answer with this HTTP error instead of a completion (scripted fault)."""
     script_text: str | None = None
     """Scripted mode: the text to answer with (before stopping rules cut it)."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set to abort: generation stops before its next token, finishing with `"abort"`."""
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Generation:
     text: str
     finish_reason: str
     stop_reason: int | str | None
+    cached_tokens: int = 0
+    """Prompt ids served from the prefix cache (set by the server)."""
 
 
 class OutputTracker:
@@ -368,6 +374,9 @@ class ModelEngine(Engine):
         with torch.inference_mode():
             logits, cache = self._forward(plan.prompt_ids, keep=1, use_cache=True)
             while True:
+                if plan.cancel.is_set():
+                    tracker.finish_reason = "abort"
+                    break
                 row = logits[-1]
                 logp = torch.log_softmax(row, dim=-1)
                 token = self._sample(row, p, gen)
@@ -503,6 +512,9 @@ class ScriptEngine(ModelEngine):
             ids.append(self.eos_token_id)
         tracker = self.tracker(plan)
         for token in ids:
+            if plan.cancel.is_set():
+                tracker.finish_reason = "abort"
+                break
             if tracker.add(token):
                 break
         if not tracker.finished:  # ran out of script (only with ignore_eos)

@@ -3,7 +3,12 @@
 The prefix-cache counters come from a block-level cache of token sequences like vLLM's
 automatic prefix caching: prompts are cut into blocks of 16 ids, each block is identified by
 a hash chained over everything before it, and a prompt hits on the longest run of leading
-blocks that an earlier sequence left in the cache.
+blocks that an earlier sequence left in the cache. A request's `cache_salt` is mixed into the
+hash of its first block, as vLLM does, so a prefix cached under one salt (or none) is not a hit
+under another.
+
+Aborted requests (client disconnected, or SGLang's `/abort_request`) are counted in vLLM's
+`vllm:request_success_total{finished_reason="abort"}`, the series vLLM exports for them.
 """
 
 from __future__ import annotations
@@ -24,32 +29,33 @@ class PrefixCache:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
-    def _hashes(self, ids: list[int], n_blocks: int) -> list[int]:
+    def _hashes(self, ids: list[int], n_blocks: int, salt: str | None) -> list[int]:
         hashes: list[int] = []
-        parent = 0
+        parent = 0 if salt is None else hash(("cache_salt", salt))
         for b in range(n_blocks):
             block = tuple(ids[b * self.block_size : (b + 1) * self.block_size])
             parent = hash((parent, block))
             hashes.append(parent)
         return hashes
 
-    def lookup(self, prompt_ids: list[int]) -> int:
-        """Prompt ids served from the cache.
+    def lookup(self, prompt_ids: list[int], salt: str | None = None) -> int:
+        """Prompt ids served from the cache (for a request with this `cache_salt`).
 
         As in vLLM, the last prompt id is always computed, so at most the full blocks within
         the first `len(prompt_ids) - 1` ids can hit.
         """
         hits = 0
-        for h in self._hashes(prompt_ids, max(0, len(prompt_ids) - 1) // self.block_size):
+        n_blocks = max(0, len(prompt_ids) - 1) // self.block_size
+        for h in self._hashes(prompt_ids, n_blocks, salt):
             if h not in self._blocks:
                 break
             self._blocks.move_to_end(h)
             hits += self.block_size
         return hits
 
-    def insert(self, ids: list[int]) -> None:
+    def insert(self, ids: list[int], salt: str | None = None) -> None:
         """Cache the full blocks of a sequence whose KV was computed."""
-        for h in self._hashes(ids, len(ids) // self.block_size):
+        for h in self._hashes(ids, len(ids) // self.block_size, salt):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity_blocks:
@@ -106,6 +112,8 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(**self._labels, finished_reason=reason)
         for metric in (
             self.prefix_cache_queries,
             self.prefix_cache_hits,
@@ -116,19 +124,29 @@ class ServerMetrics:
         ):
             metric.labels(**self._labels)  # export zeros before the first request
 
-    def record_prompt(self, prompt_ids: list[int]) -> int:
+    def record_prompt(self, prompt_ids: list[int], salt: str | None = None) -> int:
         """Count a scheduled prompt against the prefix cache; returns the cached ids."""
-        hits = self.prefix_cache.lookup(prompt_ids)
+        hits = self.prefix_cache.lookup(prompt_ids, salt)
         self.prefix_cache_queries.labels(**self._labels).inc(len(prompt_ids))
         self.prefix_cache_hits.labels(**self._labels).inc(hits)
         self.prompt_tokens.labels(**self._labels).inc(len(prompt_ids))
         return hits
 
-    def record_finished(self, prompt_ids: list[int], output_ids: list[int], reason: str) -> None:
+    def record_finished(
+        self,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        reason: str,
+        salt: str | None = None,
+    ) -> None:
         """Count a finished sequence and cache its blocks (all but the last id have KV)."""
-        self.prefix_cache.insert((prompt_ids + output_ids)[:-1])
+        self.prefix_cache.insert((prompt_ids + output_ids)[:-1], salt)
         self.generation_tokens.labels(**self._labels).inc(len(output_ids))
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
+
+    def record_aborted(self) -> None:
+        """Count a request aborted before it was scheduled."""
+        self.request_success.labels(**self._labels, finished_reason="abort").inc()
 
     def gauge(self, name: str) -> Gauge:
         """`running` or `waiting`, bound to this server's labels."""

@@ -1,8 +1,11 @@
-"""Request bodies and error shapes of the vLLM OpenAI server, as far as rollserve uses it.
+"""Request bodies and error shapes of the APIs the development server speaks.
 
-Field names, defaults and error bodies follow vLLM's `CompletionRequest`,
-`TokenizeCompletionRequest`, `TokenizeChatRequest`, `DetokenizeRequest` and `ErrorResponse`.
-Unknown fields are accepted and ignored, as vLLM does.
+vLLM's OpenAI server: field names, defaults and error bodies follow vLLM's
+`CompletionRequest`, `TokenizeCompletionRequest`, `TokenizeChatRequest`, `DetokenizeRequest`
+and `ErrorResponse`; vLLM's tokens-in/tokens-out `GenerateRequest` (`/inference/v1/generate`,
+`vllm/entrypoints/serve/disagg/protocol.py`) with its `SamplingParams`. SGLang's native API:
+`GenerateReqInput` (`/generate`) with SGLang's `SamplingParams`, and `AbortReq`
+(`/abort_request`). Unknown fields are accepted and ignored, as both servers do.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from http import HTTPStatus
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from routing.clients import template_tool
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -50,6 +55,7 @@ class CompletionRequest(_Lenient):
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
     request_id: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
 
 class TokenizeCompletionRequest(_Lenient):
@@ -76,10 +82,85 @@ class TokenizeChatRequest(_Lenient):
 
 
 class DetokenizeRequest(_Lenient):
-    """Body of `POST /detokenize`."""
+    """Body of `POST /detokenize`: vLLM's (special tokens kept, answered with `prompt`), or
+    SGLang's, which has `skip_special_tokens` (default true in SGLang) and reads `text`."""
 
     model: str | None = None
     tokens: list[NonNegInt]
+    skip_special_tokens: bool = False
+
+
+class TokenSamplingParams(_Lenient):
+    """`sampling_params` of vLLM's `GenerateRequest`: vLLM's `SamplingParams` fields."""
+
+    n: int = 1
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateRequest(_Lenient):
+    """Body of vLLM's `POST /inference/v1/generate` (tokens in, tokens out)."""
+
+    request_id: str | None = None
+    token_ids: list[NonNegInt] = Field(min_length=1)
+    sampling_params: TokenSamplingParams
+    model: str | None = None
+    stream: bool | None = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    priority: int = 0
+
+
+class SGLangSamplingParams(_Lenient):
+    """`sampling_params` of SGLang's `/generate` (SGLang's `SamplingParams` API fields)."""
+
+    max_new_tokens: int | None = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_new_tokens: int = 0
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+
+class SGLangGenerateRequest(_Lenient):
+    """Body of SGLang's `POST /generate` (`GenerateReqInput`), single requests only."""
+
+    rid: str | None = None
+    text: str | None = None
+    input_ids: list[NonNegInt] | None = None
+    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    cache_salt: str | None = None
+
+
+class AbortRequest(_Lenient):
+    """Body of SGLang's `POST /abort_request` (`AbortReq`)."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 class RequestError(Exception):
@@ -120,17 +201,5 @@ def error_body(
 
 
 def tool_for_template(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool definition as vLLM hands it to the chat template.
-
-    vLLM parses `tools` into `{"type", "function": {"name", "description", "parameters"}}` and
-    dumps them back, so the template sees those keys in that order, absent ones as null,
-    followed by any extra keys.
-    """
-    function = dict(tool.get("function") or {})
-    known = {
-        "name": function.pop("name", None),
-        "description": function.pop("description", None),
-        "parameters": function.pop("parameters", None),
-    }
-    rest = {k: v for k, v in tool.items() if k not in ("type", "function")}
-    return {"type": tool.get("type", "function"), "function": known | function} | rest
+    """A tool definition as vLLM hands it to the chat template (`routing.clients.template_tool`)."""
+    return template_tool(tool)

@@ -1,0 +1,142 @@
+"""Client of vLLM's tokens-in/tokens-out endpoint, `POST /inference/v1/generate`.
+
+The request and answer follow vLLM's `GenerateRequest` / `GenerateResponse`
+(vllm-project/vllm, `vllm/entrypoints/serve/disagg/protocol.py`, served by
+`vllm/entrypoints/serve/disagg/api_router.py` and `serving.py`):
+
+    request  {"model", "token_ids", "sampling_params": {...vLLM SamplingParams...},
+              "stream": false, "request_id"?, "cache_salt"?}
+    answer   {"request_id", "choices": [{"index", "token_ids", "finish_reason",
+              "logprobs": {"content": [{"token": "token_id:<id>", "logprob", ...}]}}],
+              "usage"?: {"prompt_tokens", ...}, "prompt_logprobs", "kv_transfer_params"}
+
+The answer has no text and no `stop_reason`: the text is asked of `/detokenize` (one more
+request, special tokens kept), and the stop string is recovered from it. Tokenization, context
+length and health are vLLM's as in `VLLMClient`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routing.vllm import (
+    BackendError,
+    Completion,
+    VLLMClient,
+    normalize_finish_reason,
+    request_id_header,
+)
+
+GENERATE_PATH = "/inference/v1/generate"
+
+
+def matched_stop(text: str, stop: list[str] | None) -> str | None:
+    """The stop string that ended `text` (kept in it), if one did.
+
+    Generation stops at the first completed stop string, so the one completed last in the
+    text is the one that stopped it.
+    """
+    best: tuple[int, str] | None = None
+    for s in stop or []:
+        index = text.rfind(s)
+        if index >= 0 and (best is None or index + len(s) > best[0]):
+            best = (index + len(s), s)
+    return None if best is None else best[1]
+
+
+class VLLMGenerateClient(VLLMClient):
+    """Client of a vLLM server's `POST /inference/v1/generate` (tokens in, tokens out).
+
+    Same interface and transport as `VLLMClient`. Abort: as for `VLLMClient`, vLLM aborts a
+    request whose connection closes (the route is wrapped in `with_cancellation`), so
+    cancelling the awaiting task is the abort; vLLM's `/abort_requests` exists only in its
+    `--tokens-only` mode and is not used.
+    """
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        fit_context: bool = True,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Generate after `prompt_ids` and return the exact generated ids and their logprobs.
+
+        Sampling parameters are those of `VLLMClient.complete` (special tokens kept, stop
+        strings included in the output), sent inside `sampling_params`. `cache_salt` and
+        `request_id` are top-level fields of the request (and `request_id` also the
+        `X-Request-Id` header; vLLM names the request `generate-tokens-<id>`).
+        """
+        if fit_context:
+            max_tokens = await self._fit(prompt_ids, max_tokens)
+        sampling: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if seed is not None:
+            sampling["seed"] = seed
+        if stop:
+            sampling["stop"] = list(stop)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "token_ids": prompt_ids,
+            "sampling_params": sampling,
+            "stream": False,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if request_id is not None:
+            body["request_id"] = request_id
+        data = await self._post(GENERATE_PATH, body, headers=request_id_header(request_id))
+        ids, logprobs, reason, prompt_tokens = self._generated(data, prompt_ids)
+        text = await self.detokenize(ids) if ids else ""
+        return Completion(
+            output_ids=ids,
+            logprobs=logprobs,
+            text=text,
+            finish_reason=reason,
+            stop_reason=matched_stop(text, stop) if reason == "stop" else None,
+            prompt_tokens=prompt_tokens,
+        )
+
+    def _generated(
+        self, data: dict[str, Any], prompt_ids: list[int]
+    ) -> tuple[list[int], list[float], str | None, int]:
+        url = f"{self.base_url}{GENERATE_PATH}"
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError) as e:
+            raise BackendError(f"answer has no choices: {data!r:.300}", url=url) from e
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list):
+            raise BackendError(f"answer has no choices[0].token_ids: {data!r:.300}", url=url)
+        content = (choice.get("logprobs") or {}).get("content")
+        if not isinstance(content, list) or len(content) != len(ids):
+            count = len(content) if isinstance(content, list) else "no"
+            raise BackendError(f"answer has {count} logprobs for {len(ids)} token_ids", url=url)
+        logprobs: list[float] = []
+        for token_id, entry in zip(ids, content, strict=True):
+            logprob = entry.get("logprob") if isinstance(entry, dict) else None
+            if logprob is None:
+                raise BackendError("answer has a null logprob", url=url)
+            token = entry.get("token")
+            expected = f"token_id:{token_id}"
+            if isinstance(token, str) and token.startswith("token_id:") and token != expected:
+                raise BackendError(
+                    f"logprob entry {token!r} does not match token id {token_id}", url=url
+                )
+            logprobs.append(float(logprob))
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or len(prompt_ids))
+        reason = normalize_finish_reason(choice.get("finish_reason"))
+        return [int(i) for i in ids], logprobs, reason, prompt_tokens

@@ -1,0 +1,210 @@
+"""A job's view of the backend fleet: every request goes where the pool routes it.
+
+`RoutedPolicy` is what the agent loop talks to (the policy and the templater both). Before
+each request it asks the pool where the job's requests go — the same backend while it takes
+work (sticky, so the prefix cache is reused), the least-loaded one once it is drained or lost —
+and after each request it gives up a backend that no longer takes work, so a drained backend
+is idle as soon as its running requests end. A request lost with its backend (connection
+refused or reset, no answer, or a 5xx after the client's own retries) marks that backend dead
+and is re-sent elsewhere: the turn is not lost, its prompt simply prefills on the new backend.
+While no backend takes work (every one draining for a weight update) the job waits between
+turns, up to `backend_wait` seconds.
+
+The job's liveness is checked before each request and every `poll` seconds while one runs: a
+cancelled job's in-flight request is aborted (its HTTP connection closed, which is how vLLM
+aborts; SGLang is also sent `/abort_request`) and `JobCancelled` ends the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from api.schemas import Backend
+from routing.chat import ChatTemplater
+from routing.pool import BackendPool, NoHealthyBackendError
+from routing.vllm import BackendError, Completion
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class JobCancelled(Exception):
+    """The job was ended from outside (cancelled, or its batch reached its target)."""
+
+
+def cache_salt(policy_version: int | None) -> str | None:
+    """The prefix-cache salt of requests generated with a policy version: prefixes computed
+    under older weights are never reused for a newer version."""
+    return None if policy_version is None else f"rollserve-policy-{policy_version}"
+
+
+ClientsOf = Callable[[Backend], tuple[Any, ChatTemplater]]
+"""The inference client and templater of a backend (kept per worker process)."""
+
+
+class RoutedPolicy:
+    """Policy client and templater of one job, routed through the backend pool."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        job_id: str,
+        clients_of: ClientsOf,
+        *,
+        is_live: Callable[[], bool] = lambda: True,
+        backend_wait: float = 600.0,
+        failovers: int = 3,
+        poll: float = 0.5,
+    ) -> None:
+        self.pool = pool
+        self.job_id = job_id
+        self.clients_of = clients_of
+        self.is_live = is_live
+        self.backend_wait = backend_wait
+        self.failovers = failovers
+        self.poll = poll
+        self.backend: Backend | None = None
+        """The backend of the latest request."""
+        self.moves = 0
+        self._requests = 0
+
+    # ------------------------------------------------------------------ routing
+
+    def _check_live(self) -> None:
+        if not self.is_live():
+            raise JobCancelled(f"job {self.job_id} is no longer live")
+
+    async def _route(self) -> tuple[Backend, Any, ChatTemplater]:
+        """The job's backend now, waiting while none takes work."""
+        deadline = time.monotonic() + self.backend_wait
+        delay = 0.05
+        while True:
+            self._check_live()
+            try:
+                route = self.pool.route(self.job_id)
+            except NoHealthyBackendError:
+                if time.monotonic() >= deadline:
+                    raise NoHealthyBackendError(
+                        f"no backend took work for {self.backend_wait:g}s "
+                        "(all draining or dead); raise ROLLSERVE_BACKEND_WAIT to wait longer"
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            backend = self.backend
+            if backend is not None and (backend.id, backend.url) == (route.backend_id, route.url):
+                # Sticky: the same registration; only its policy version may have moved on.
+                if backend.policy_version != route.policy_version:
+                    backend = backend.model_copy(update={"policy_version": route.policy_version})
+            else:
+                backend = self.pool.get(route.backend_id)
+                if backend is None:  # removed just now: route again
+                    continue
+            if route.moved:
+                self.moves += 1
+                log.info("job %s moved from %s to %s", self.job_id, route.left, backend.id)
+            self.backend = backend
+            client, templater = self.clients_of(backend)
+            return backend, client, templater
+
+    async def _watched(self, work: Awaitable[T], on_cancel: Callable[[], Awaitable[None]]) -> T:
+        """`work`, cancelled (and `on_cancel` awaited) as soon as the job stops being live."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.poll)
+                if done:
+                    return task.result()
+                if not self.is_live():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    with contextlib.suppress(Exception):
+                        await on_cancel()
+                    raise JobCancelled(f"job {self.job_id} was cancelled during a request")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _with_failover(
+        self, call: Callable[[Backend, Any, ChatTemplater], Awaitable[T]]
+    ) -> T:
+        """Run `call` on the job's backend; when the backend is lost, mark it dead and run it
+        again on the one the job moves to (at most `failovers` times)."""
+        attempt = 0
+        while True:
+            backend, client, templater = await self._route()
+            try:
+                return await call(backend, client, templater)
+            except BackendError as exc:
+                # Still failing after the client's own retries: no answer, or 5xx (vLLM
+                # answers 500 once its engine died). The health checks re-admit the backend
+                # as soon as it answers `/health` again. A 4xx is the request's fault.
+                if not exc.retryable or attempt >= self.failovers:
+                    raise
+                attempt += 1
+                self.pool.mark_dead(backend.id)
+                log.warning(
+                    "job %s lost backend %s (%s); marked it dead and re-sending elsewhere",
+                    self.job_id,
+                    backend.id,
+                    exc,
+                )
+
+    # ------------------------------------------------------------------ policy client
+
+    async def complete(self, prompt_ids: list[int], **params: Any) -> Completion:
+        """One model call on the job's backend, with the salt of its policy version."""
+
+        async def call(backend: Backend, client: Any, _t: ChatTemplater) -> Completion:
+            self._requests += 1
+            request_id = f"{self.job_id}-{self._requests}"
+            try:
+                completion: Completion = await self._watched(
+                    client.complete(
+                        prompt_ids,
+                        cache_salt=cache_salt(backend.policy_version),
+                        request_id=request_id,
+                        **params,
+                    ),
+                    lambda: client.abort(request_id),
+                )
+            finally:
+                self.pool.request_done(self.job_id)
+            completion.backend_id = backend.id
+            completion.policy_version = backend.policy_version
+            return completion
+
+        return await self._with_failover(call)
+
+    async def max_model_len(self) -> int:
+        async def call(_b: Backend, client: Any, _t: ChatTemplater) -> int:
+            return int(await client.max_model_len())
+
+        return await self._with_failover(call)
+
+    # ------------------------------------------------------------------ templater
+
+    async def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        async def call(_b: Backend, _c: Any, templater: ChatTemplater) -> list[int]:
+            return await templater.prompt_ids(messages, tools)
+
+        return await self._with_failover(call)
+
+    async def continuation_ids(
+        self,
+        last_output_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        async def call(_b: Backend, _c: Any, templater: ChatTemplater) -> list[int]:
+            return await templater.continuation_ids(last_output_ids, messages, tools)
+
+        return await self._with_failover(call)
