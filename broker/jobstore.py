@@ -515,6 +515,10 @@ class JobStore:
     def _job(self, job_id: str) -> str:
         return f"{self.p}job:{job_id}"
 
+    def job_key(self, job_id: str) -> str:
+        """The Redis hash of the job's record (its `status` field says where it is)."""
+        return self._job(job_id)
+
     def _traj(self, job_id: str) -> str:
         return f"{self.p}traj:{job_id}"
 

@@ -66,6 +66,10 @@ class NoHealthyBackendError(NoBackendError):
     """Backends are registered but none takes work now (all draining or dead)."""
 
 
+class JobEnded(Exception):
+    """The job being routed has ended (or its record is gone): it gets no backend."""
+
+
 # Functions every script below starts with. KEYS are unused: ARGV[1] is the key prefix.
 _PRELUDE = """
 local p = ARGV[1]
@@ -141,8 +145,10 @@ return existed
 """
 )
 
-# ARGV: prefix, job. Returns {backend id or '', the backend the job left or '', moved 0/1,
-# the backend's policy version, its url}.
+# ARGV: prefix, job, the job's record key ('' to skip the check), its final statuses
+# (',a,b,'). Returns {backend id or '', the backend the job left or '', moved 0/1, the
+# backend's policy version, its url, ended 0/1}. A job whose record says it has ended (or is
+# gone) gives up its hold and gets no backend: one round trip checks and routes.
 # A job whose backend is still assignable keeps it without counting again (a redelivered stage
 # may route twice). One whose backend is draining, dead or removed gives it up and takes the
 # least-loaded assignable one; ZRANGE orders equal scores by member, so ties break the same
@@ -154,9 +160,16 @@ local job = ARGV[2]
 local held = redis.call('HGET', holders, job)
 local id = held_id(held)
 local left = ''
+if ARGV[3] ~= '' then
+  local status = redis.call('HGET', ARGV[3], 'status')
+  if not status or string.find(ARGV[4], ',' .. status .. ',', 1, true) then
+    if held then unhold(job, id) end
+    return {'', '', 0, '', '', 1}
+  end
+end
 local function answer(chosen, left, moved)
   local f = redis.call('HMGET', bkey(chosen), 'policy_version', 'url')
-  return {chosen, left, moved, f[1] or '', f[2] or ''}
+  return {chosen, left, moved, f[1] or '', f[2] or '', 0}
 end
 if id and redis.call('ZSCORE', heap, id) then
   return answer(id, '', 0)
@@ -167,7 +180,7 @@ if held then
 end
 local pick = redis.call('ZRANGE', heap, 0, 0)
 if #pick == 0 then
-  return {'', left, 0, '', ''}
+  return {'', left, 0, '', '', 0}
 end
 local new = pick[1]
 redis.call('HINCRBY', loads, new, 1)
@@ -448,16 +461,23 @@ class BackendPool:
 
     # ---------------------------------------------------------------- assignment
 
-    def route(self, job_id: str) -> Route:
+    def route(self, job_id: str, job_key: str | None = None, final: Iterable[str] = ()) -> Route:
         """Where the job's next request goes, counted once per job.
 
         Sticky and idempotent: while the job holds a backend that takes work, the same one
         is returned and nothing is counted again. A job whose backend was drained, found dead
         or removed moves to the least-loaded assignable backend. Raises NoBackendError when
         none is registered and NoHealthyBackendError when none takes work now (the job then
-        holds nothing).
+        holds nothing). With `job_key` (the job's record, a hash with a `status` field), a job
+        whose status is one of `final`, or whose record is gone, gives up its hold and
+        JobEnded is raised, in the same round trip.
         """
-        backend_id, left, moved, version, url = self._route(args=[self.prefix, job_id])
+        checks = [job_key, "," + ",".join(final) + ","] if job_key else ["", ""]
+        backend_id, left, moved, version, url, ended = self._route(
+            args=[self.prefix, job_id, *checks]
+        )
+        if int(ended):
+            raise JobEnded(job_id)
         backend_id, left, version = _text(backend_id), _text(left), _text(version)
         if not backend_id:
             if self.count() == 0:

@@ -13,6 +13,7 @@ from api.schemas import BackendSpec
 from routing.pool import (
     DEFAULT_FAILURE_THRESHOLD,
     BackendPool,
+    JobEnded,
     NoBackendError,
     NoHealthyBackendError,
     Route,
@@ -379,3 +380,20 @@ def test_concurrent_acquire_spreads_load(pool: BackendPool, redis_url: str) -> N
     for t in threads:
         t.join(timeout=30)
     assert pool.in_flight() == {"a": 10, "b": 10, "c": 10}
+
+
+def test_route_checks_the_job_and_lets_go_once_it_ended(
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
+    pool.register(spec("http://a:8000", id="a"))
+    redis_client.hset("rs:job:j1", "status", "run")
+    final = ("cancelled", "completed")
+    assert pool.route("j1", "rs:job:j1", final).backend_id == "a"
+    assert pool.in_flight() == {"a": 1}
+    redis_client.hset("rs:job:j1", "status", "cancelled")
+    with pytest.raises(JobEnded):
+        pool.route("j1", "rs:job:j1", final)
+    assert pool.in_flight() == {"a": 0} and pool.backend_of("j1") is None
+    with pytest.raises(JobEnded):  # a record that is gone counts as ended
+        pool.route("j2", "rs:job:j2", final)
+    assert pool.in_flight() == {"a": 0}

@@ -205,3 +205,20 @@ def test_a_sticky_job_sees_its_backends_new_policy_version(pool: BackendPool) ->
 
     assert asyncio.run(scenario()) == [3, 4]
     assert [c["cache_salt"] for c in clients["a"].calls] == [cache_salt(3), cache_salt(4)]
+
+
+def test_routing_checks_the_jobs_record_in_the_same_round_trip(
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
+    register(pool, "a")
+    redis_client.hset("rs:job:job-1", "status", "run")
+    clients = {"a": FakeClient("a")}
+    policy = routed(
+        pool, clients, is_live=lambda: False, job_key="rs:job:job-1", final=["cancelled"]
+    )
+    # is_live is not asked before a request when the record is checked while routing.
+    assert asyncio.run(policy.complete([1], max_tokens=2)).backend_id == "a"
+    redis_client.hset("rs:job:job-1", "status", "cancelled")
+    with pytest.raises(JobCancelled):
+        asyncio.run(policy.complete([1], max_tokens=2))
+    assert len(clients["a"].calls) == 1 and pool.in_flight() == {"a": 0}

@@ -21,12 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from api.schemas import Backend
 from routing.chat import ChatTemplater
-from routing.pool import BackendPool, NoHealthyBackendError
+from routing.pool import BackendPool, JobEnded, NoHealthyBackendError
 from routing.vllm import BackendError, Completion
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class RoutedPolicy:
         clients_of: ClientsOf,
         *,
         is_live: Callable[[], bool] = lambda: True,
+        job_key: str | None = None,
+        final: Iterable[str] = (),
         backend_wait: float = 600.0,
         failovers: int = 3,
         poll: float = 0.5,
@@ -65,6 +67,10 @@ class RoutedPolicy:
         self.job_id = job_id
         self.clients_of = clients_of
         self.is_live = is_live
+        self.job_key = job_key
+        """With it, routing checks the job's status in the same round trip (`final` are the
+        statuses that end it); `is_live` is then asked only while a request runs."""
+        self.final = tuple(final)
         self.backend_wait = backend_wait
         self.failovers = failovers
         self.poll = poll
@@ -84,9 +90,12 @@ class RoutedPolicy:
         deadline = time.monotonic() + self.backend_wait
         delay = 0.05
         while True:
-            self._check_live()
+            if self.job_key is None:
+                self._check_live()
             try:
-                route = self.pool.route(self.job_id)
+                route = self.pool.route(self.job_id, self.job_key, self.final)
+            except JobEnded:
+                raise JobCancelled(f"job {self.job_id} is no longer live") from None
             except NoHealthyBackendError:
                 if time.monotonic() >= deadline:
                     raise NoHealthyBackendError(

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api.schemas import JobStatus, Trajectory
+from api.schemas import TERMINAL_STATUSES, JobStatus, Trajectory
 from broker.jobstore import JobRecord
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
@@ -87,6 +87,8 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         job_id,
         rt.policy,
         is_live=lambda: rt.job_live(job_id),
+        job_key=rt.store.job_key(job_id),
+        final=[status.value for status in TERMINAL_STATUSES],
         backend_wait=rt.settings.backend_wait,
         failovers=rt.settings.backend_failovers,
     )
