@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -85,13 +85,18 @@ def test_every_example_task_has_a_unique_instance_id(name: str) -> None:
     assert len(set(ids)) == len(ids)
 
 
-@pytest.mark.parametrize("task", [t for t in ALL_TASKS if t.values[0]["data_source"] == "math"])
+def of_source(source: str) -> list[Any]:
+    """The example tasks of one data source, as parameters."""
+    return [t for t in ALL_TASKS if cast(dict[str, Any], t.values[0])["data_source"] == source]
+
+
+@pytest.mark.parametrize("task", of_source("math"))
 def test_math_example_gold_answers_grade_as_correct(task: dict[str, Any]) -> None:
     handler = get_handler("math")
     assert handler.grade(task, [f"\\boxed{{{gold_answer(task)}}}"]).reward == 1.0
 
 
-@pytest.mark.parametrize("task", [t for t in ALL_TASKS if t.values[0]["data_source"] == "stem"])
+@pytest.mark.parametrize("task", of_source("stem"))
 def test_stem_example_gold_answers_grade_as_correct(task: dict[str, Any]) -> None:
     parsed = read_task(task)
     answer = parsed.answer if isinstance(parsed, MultipleChoice) else parsed.accepted[0]
