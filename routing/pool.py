@@ -501,10 +501,6 @@ class BackendPool:
             # Removed between the script and the read: the next route moves the job.
         raise NoBackendError("the backends were removed while a job was being assigned")
 
-    def acquire_id(self, job_id: str) -> str:
-        """Like ``acquire`` but returns the id only (one round trip)."""
-        return self.route(job_id).backend_id
-
     def release(self, job_id: str) -> None:
         """Give back the job's backend; does nothing if the job holds none.
 

@@ -70,10 +70,6 @@ class SGLangClient(HTTPBackend):
         self.tokenizer_name = tokenizer or model
         self._tokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
-        self._max_model_len: int | None = None
-
-    async def __aenter__(self) -> SGLangClient:
-        return self
 
     # ----------------------------------------------------------------------------- completions
 

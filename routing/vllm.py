@@ -11,7 +11,7 @@ connection errors and 5xx answers are retried with capped exponential backoff an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import httpx
 from tenacity import (
@@ -135,8 +135,10 @@ class HTTPBackend:
         self.max_backoff = max_backoff
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+        self._max_model_len: int | None = None
+        """The server's context length once asked (see `max_model_len`)."""
 
-    async def __aenter__(self) -> HTTPBackend:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -258,31 +260,6 @@ class VLLMClient(HTTPBackend):
     `return_token_ids`; tokenization through `/tokenize` and `/detokenize`. Retries and
     errors: see `HTTPBackend`.
     """
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        *,
-        timeout: float = 600.0,
-        retries: int = 3,
-        http: httpx.AsyncClient | None = None,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
-    ) -> None:
-        super().__init__(
-            base_url,
-            model,
-            timeout=timeout,
-            retries=retries,
-            http=http,
-            backoff=backoff,
-            max_backoff=max_backoff,
-        )
-        self._max_model_len: int | None = None
-
-    async def __aenter__(self) -> VLLMClient:
-        return self
 
     # ----------------------------------------------------------------------------- completions
 
