@@ -790,6 +790,19 @@ class JobStore:
             raise JobNotFound(job_id)
         return JobStatus(_s(raw))
 
+    def live(self, job_ids: Iterable[str]) -> set[str]:
+        """Those of `job_ids` whose record exists and has not reached a final status (one
+        round trip)."""
+        ids = list(job_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self._job(job_id), "status")
+        return {
+            job_id
+            for job_id, raw in zip(ids, pipe.execute(), strict=True)
+            if raw is not None and not JobStatus(_s(raw)).terminal
+        }
+
     def trajectory(self, job_id: str) -> Trajectory:
         """The stored trajectory (final, or partial so far), or a skeleton from the record."""
         raw = self.r.get(self._traj(job_id))

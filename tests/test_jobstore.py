@@ -56,6 +56,16 @@ def test_created_jobs_are_queued_and_counted(store: JobStore) -> None:
     )
 
 
+def test_live_names_the_jobs_that_have_not_ended(store: JobStore) -> None:
+    specs = make_specs(1, 3)
+    store.create_jobs(specs, batch_id="b1", group_size=3)
+    ids = [s.job_id for s in specs]
+    store.transition(ids[1], JobStatus.run)
+    store.finish(ids[2], JobStatus.cancelled)
+    assert store.live([*ids, "missing"]) == {ids[0], ids[1]}
+    assert store.live([]) == set()
+
+
 def test_transition_records_first_entry_time_and_moves_counts(store: JobStore) -> None:
     [spec] = make_specs(1, 1, batch_id=None)
     store.create_jobs([spec])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -68,10 +68,6 @@ class Runtime:
             return not self.store.status(job_id).terminal
         except JobNotFound:
             return False
-
-    def live_jobs(self, job_ids: Iterable[str]) -> set[str]:
-        """Those of `job_ids` that are live."""
-        return {job_id for job_id in job_ids if self.job_live(job_id)}
 
     def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
         """End a job that will not complete (keeping its partial trajectory); free its backend

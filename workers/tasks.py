@@ -132,7 +132,7 @@ def watch_backends_forever(interval: float) -> None:
             rt = get_runtime()
             lock = f"{rt.settings.key_prefix}pool:sweep-lock"
             if take_turn(rt.pool.client, lock, owner, interval):
-                sweep(rt.pool, rt.live_jobs)
+                sweep(rt.pool, rt.store.live)
         except Exception:
             log.exception("backend health sweep failed; trying again in %.0fs", interval)
 
