@@ -7,10 +7,15 @@ from typing import Any
 
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from kombu.exceptions import KombuError
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.errors import error_responses, http_error, json_safe, validation_error
 from api.routes import backends, batches, rollouts, system
 from api.service import RequestError, Services
 from broker.celery_app import create_celery
@@ -71,6 +76,37 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+STORE_FULL = (
+    "the job store is full: Redis has reached its memory cap (maxmemory) and refuses writes. "
+    "Retry later: finished jobs free their memory after ROLLSERVE_JOB_TTL; or raise the cap "
+    "(ROLLSERVE_REDIS_MAXMEMORY for the embedded Redis)"
+)
+REDIS_UNREACHABLE = "Redis (the job store and broker) is unreachable; retry later"
+
+
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an error it was raised from, is Redis refusing a write for memory."""
+    seen = 0
+    while exc is not None and seen < 8:
+        # Redis: "OOM command not allowed when used memory > 'maxmemory'" (redis-py drops the
+        # "OOM" code when it maps the reply to its OutOfMemoryError).
+        if "used memory > 'maxmemory'" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+async def _redis_error(_request: Request, exc: Exception) -> JSONResponse:
+    """Redis full or unreachable is a 503 naming it; any other Redis error stays a 500."""
+    if _out_of_memory(exc):
+        return JSONResponse({"detail": STORE_FULL}, status_code=503)
+    if isinstance(
+        exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError | BrokerUnreachable
+    ):
+        return JSONResponse({"detail": REDIS_UNREACHABLE}, status_code=503)
+    raise exc
+
+
 _bearer = HTTPBearer(auto_error=False)
 
 
@@ -112,23 +148,30 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         description="Rollout-as-a-service for RL of multi-turn LLM agents.",
     )
     app.state.services = services or build_services(settings)
-    auth = [Depends(require_token)]
-    app.include_router(rollouts.router, dependencies=auth)
-    app.include_router(batches.router, dependencies=auth)
-    app.include_router(backends.router, dependencies=auth)
-    app.include_router(system.v1_router, dependencies=auth)
+    # The bearer scheme (and its 401) is in the OpenAPI only when a token is configured.
+    token = app.state.services.settings.api_token
+    auth = [Depends(require_token)] if token else []
+    v1 = error_responses(*((401, 503) if token else (503,)))
+    app.include_router(rollouts.router, dependencies=auth, responses=v1)
+    app.include_router(batches.router, dependencies=auth, responses=v1)
+    app.include_router(backends.router, dependencies=auth, responses=v1)
+    app.include_router(system.v1_router, dependencies=auth, responses=v1)
     app.include_router(system.open_router)
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
 
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
         detail: Any = exc.message
         if exc.loc:
             detail = [{"loc": exc.loc, "msg": exc.message, "type": "value_error"}]
-        return JSONResponse({"detail": detail}, status_code=exc.status_code)
+        return JSONResponse({"detail": json_safe(detail)}, status_code=exc.status_code)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_request: Request, exc: JobNotFound) -> JSONResponse:
         return JSONResponse({"detail": f"no job or batch with id {exc.args[0]!r}"}, status_code=404)
 
+    app.add_exception_handler(redis.exceptions.RedisError, _redis_error)
+    app.add_exception_handler(KombuError, _redis_error)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app

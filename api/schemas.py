@@ -6,10 +6,11 @@ so the gateway, the workers and the client all import it.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class JobStatus(StrEnum):
@@ -37,30 +38,90 @@ STAGES = ("init", "run", "eval")
 
 # ----------------------------------------------------------------------------- requests
 
+MAX_SEED = 2**63 - 1
+"""Largest seed of any sample: backends take signed 64-bit seeds (vLLM refuses larger ones)."""
+MAX_TOKENS = 1 << 20
+"""Schema bound of `max_tokens` and `max_total_tokens`; the backends' context length is
+usually a tighter one."""
+MAX_TASK_DEPTH = 64
+"""Deepest nesting of lists and objects inside a task."""
+
+
+def encodable(value: str) -> str:
+    """`value` when it is valid Unicode text; a lone surrogate (JSON `"\\ud800"`) is not, and
+    could be neither stored, tokenized nor sent on."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(value[exc.start])
+        raise ValueError(
+            f"holds a lone surrogate (U+{code:04X} at index {exc.start}): not valid Unicode text"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(encodable)]
+"""A string that encodes as UTF-8."""
+
+
+def json_problem(
+    value: Any, max_depth: int = MAX_TASK_DEPTH, *, allow_nonfinite: bool = False
+) -> tuple[list[str | int], str] | None:
+    """The first place in a JSON value that strict JSON cannot carry or that could not be
+    passed on as text: a lone surrogate in a string or a key, a NaN or infinite number
+    (unless `allow_nonfinite`), or nesting deeper than `max_depth`. Returns its path and what
+    is wrong, or None."""
+    stack: list[tuple[list[str | int], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                encodable(item)
+            except ValueError as exc:
+                return path, str(exc)
+        elif isinstance(item, float):
+            if not (allow_nonfinite or math.isfinite(item)):
+                return path, f"must be a finite number, not {item}"
+        elif isinstance(item, dict | list):
+            if len(path) >= max_depth:
+                return path, f"nests lists and objects deeper than {max_depth} levels"
+            if isinstance(item, list):
+                stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item))))
+                continue
+            for key, child in reversed(list(item.items())):
+                try:
+                    encodable(key)
+                except ValueError as exc:
+                    safe = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return [*path, safe], f"the key {exc}"
+                stack.append(([*path, key], child))
+    return None
+
 
 class Task(BaseModel):
     """One problem instance; `data_source` picks its handler, the other fields are the handler's."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    data_source: str = Field(min_length=1)
+    data_source: Text = Field(min_length=1)
     """Handler name: `math`, `stem`, or a plugin's."""
-    instance_id: str | None = None
+    instance_id: Text | None = None
     """The task's own id; one is made up from its content when absent."""
 
 
 class SamplingParams(BaseModel):
     """How the policy samples; passed through to the inference backend."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     """Tokens per model call; the service default when absent."""
-    seed: int | None = None
-    """Base seed: sample i of a group uses `seed + i`."""
-    stop: list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Base seed: sample i of a group uses `seed + i` (with dynamic sampling, attempt a of a
+    task `seed + a*group_size + i`); every sample's seed must stay within 64 bits."""
+    stop: list[Text] | None = None
     """Extra stop strings; kept in the output (`include_stop_str_in_output`)."""
 
     @field_validator("stop")
@@ -74,18 +135,18 @@ class SamplingParams(BaseModel):
 class AgentParams(BaseModel):
     """Limits of the agent loop."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     max_turns: int | None = Field(default=None, ge=1, le=1000)
     """Model calls per job; the service default when absent."""
-    max_total_tokens: int | None = Field(default=None, ge=1)
+    max_total_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     """Response ids per job (generated and observation); the service default when absent."""
 
 
 class RolloutRequest(BaseModel):
     """Body of `POST /v1/rollouts`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task: Task
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -96,7 +157,7 @@ class DynamicSampling(BaseModel):
     """DAPO dynamic sampling options of a batch: the batch's tasks are a pool from which groups
     are drawn until `target_groups` informative groups (not all rewards equal) are complete."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     target_groups: int = Field(ge=1)
     """Informative groups to return; at most the number of tasks in the pool."""
@@ -115,10 +176,10 @@ class DynamicSampling(BaseModel):
 class BatchRequest(BaseModel):
     """Body of `POST /v1/batches`: every task becomes `group_size` jobs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     tasks: list[Task] = Field(min_length=1, max_length=100_000)
-    group_size: int = Field(default=1, ge=1, le=1024)
+    group_size: int = Field(default=1, ge=1, le=1024, strict=True)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     agent: AgentParams = Field(default_factory=AgentParams)
     dynamic_sampling: DynamicSampling | None = None
@@ -128,10 +189,12 @@ class BatchRequest(BaseModel):
 class BackendSpec(BaseModel):
     """Body of `POST /v1/backends`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    url: str = Field(pattern=r"^https?://[^\s/]+(:\d+)?(/[^\s]*)?$")
-    """Base URL of the inference server, e.g. `http://gpu-node-3:8000`."""
+    url: str = Field(pattern=r"^https?://[^\s/]+(:\d+)?(/[^\s]*)?$", max_length=2048)
+    """Base URL of the inference server, e.g. `http://gpu-node-3:8000`: `http` or `https`, a
+    host (a DNS name or an IP address, in ASCII), an optional port and path; no credentials,
+    query or fragment."""
     kind: Literal["vllm", "sglang"] = "vllm"
     model: str = Field(min_length=1)
     """Model name the server serves (its `--served-model-name`)."""
@@ -151,11 +214,77 @@ class BackendSpec(BaseModel):
     load) that renders chat templates, since SGLang's `/tokenize` cannot; `model` when
     absent. vLLM renders through its own `/tokenize`."""
 
+    # The `after` check is defined before `_mask_credentials`, which makes the masking run
+    # first and every error about the URL (pattern, length, this check) show the masked
+    # value, never the credentials.
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        """Parse the URL (urllib's parser) and refuse what a backend URL cannot be."""
+        import ipaddress
+        import re
+        from urllib.parse import urlsplit
+
+        if not value.isascii() or not value.isprintable() or " " in value or "\\" in value:
+            raise ValueError(
+                "must be printable ASCII without spaces or backslashes (write an international "
+                "host name in its xn-- form)"
+            )
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:
+            raise ValueError("is not a valid URL (host or port malformed)") from None
+        if parts.scheme not in ("http", "https"):
+            raise ValueError("must start with http:// or https://")
+        if "@" in parts.netloc:
+            raise ValueError(
+                "must not carry credentials (user:password@): backend records hold no "
+                "secrets; serve the backend on a network only the workers reach"
+            )
+        if "?" in value or "#" in value:
+            raise ValueError("must not have a query or a fragment")
+        host = parts.hostname
+        if not host:
+            raise ValueError("needs a host")
+        if port == 0:
+            raise ValueError("has port 0")
+        if ":" in host or re.fullmatch(r"[0-9.]+", host):
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError("has a host that is not a valid IP address") from None
+        else:
+            label = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+            if len(host) > 253 or not re.fullmatch(rf"{label}(?:\.{label})*\.?", host):
+                raise ValueError("has a host that is not a valid DNS name")
+        if not re.fullmatch(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*", parts.path):
+            raise ValueError("has characters a URL path cannot hold")
+        return value
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _mask_credentials(cls, value: Any) -> Any:
+        """`user:password@` in the URL becomes `***@`: the value is refused by `_check_url`,
+        and the 422 shows this masked form."""
+        import re
+
+        if not isinstance(value, str):
+            return value
+        # Text that cannot be encoded (lone surrogates) is shown escaped; refused anyway.
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+        if "@" not in value:
+            return value
+        masked = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@", r"\1***@", value)
+        if re.fullmatch(r"https?://(\*\*\*@)?[^/?#@]*(/[^?#]*)?", masked):
+            return masked  # `@` left, if any, is in the path
+        return re.sub(r"[^/@]*@", "***@", masked)  # refused anyway: mask every `...@`
+
 
 class ResumeRequest(BaseModel):
     """Body of `POST /v1/backends/{id}/resume` and `POST /v1/backends/resume` (optional)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     policy_version: int | None = None
     """The version of the weights the backend now holds; every later turn records it."""
@@ -194,6 +323,9 @@ class Backend(BaseModel):
     failures: int = 0
     """Consecutive failed health checks."""
     registered_at: float
+    max_model_len: int | None = None
+    """The context length the server reported when it was registered (`max_model_len` of
+    its `/v1/models`); None when unknown (not reported, or registered with `verify=false`)."""
 
 
 class StageError(BaseModel):
@@ -268,7 +400,9 @@ class Trajectory(BaseModel):
     policy_version: int | None = None
     backend_id: str | None = None
     stop_reason: str | None = None
-    """`answer`, `finish`, `max_turns`, `token_budget` or `context_length`."""
+    """`answer`, `finish`, `max_turns`, `token_budget`, `context_length` or `invalid_token`
+    (the model generated an id outside the backend's vocabulary, which no later prompt may
+    carry; the trajectory keeps it as returned and is graded as usual)."""
     truncated: bool = False
     """True when the episode was cut by the token budget or the context length."""
     tool_calls: int = 0
@@ -362,6 +496,14 @@ class Health(BaseModel):
     backends: int
 
 
+class Readiness(BaseModel):
+    """`GET /readyz`: whether the service can run jobs now, and if not, what it lacks."""
+
+    ready: bool
+    missing: list[str]
+    """What is missing, e.g. `a worker on queue eval`, `a healthy backend`."""
+
+
 class Stats(BaseModel):
     """`GET /v1/stats`: a snapshot of the fleet."""
 
@@ -379,5 +521,20 @@ class Stats(BaseModel):
     throughput_per_s: float
 
 
+class FieldError(BaseModel):
+    """One refused part of a request: where it is (`loc`, e.g. `["body", "task", "problem"]`),
+    why (`msg`) and what kind of error (`type`); for a value that failed validation also the
+    value (`input`, as text where strict JSON cannot carry it) and the rule's bounds (`ctx`)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
 class ErrorBody(BaseModel):
-    detail: Any
+    """The body of every error answer: `detail` says why, as a sentence, or as the list of
+    refused fields (422)."""
+
+    detail: str | list[FieldError]

@@ -14,6 +14,7 @@ from typing import Any
 from celery import Celery
 
 from api.schemas import (
+    MAX_SEED,
     AgentParams,
     BatchProgress,
     BatchRequest,
@@ -21,6 +22,7 @@ from api.schemas import (
     SamplingParams,
     Task,
     Trajectory,
+    json_problem,
 )
 from broker.dapo import submit_dynamic
 from broker.dispatch import Dispatcher, DispatchError
@@ -56,7 +58,12 @@ class Services:
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(
-            self.store, self.pool, self.celery, self.settings.node_name, self.settings.cancel_grace
+            self.store,
+            self.pool,
+            self.celery,
+            self.settings.node_name,
+            self.settings.cancel_grace,
+            self.settings.broker_send_timeout,
         ).install()
 
 
@@ -69,7 +76,12 @@ def instance_id_of(task: Task) -> str:
 
 
 def validate_task(task: Task, loc: Sequence[str | int]) -> None:
-    """Check the handler exists and accepts the task; raise a RequestError naming the field."""
+    """Check the task is strict JSON, its handler exists and accepts it; raise a RequestError
+    naming the field."""
+    problem = json_problem(task.model_dump())
+    if problem is not None:
+        path, message = problem
+        raise RequestError(422, message, [*loc, *path])
     try:
         handler = get_handler(task.data_source)
     except UnknownDataSource:
@@ -81,6 +93,23 @@ def validate_task(task: Task, loc: Sequence[str | int]) -> None:
         handler.validate(task.model_dump())
     except TaskValidationError as exc:
         raise RequestError(422, exc.message, [*loc, *exc.field.split(".")]) from None
+    except Exception as exc:  # a handler (a plugin's) that fails on input it should refuse
+        log.exception("the %r handler failed to validate a task", task.data_source)
+        raise RequestError(
+            422, f"the {task.data_source} handler cannot read the task: {exc}", loc
+        ) from None
+
+
+def check_seed_span(sampling: SamplingParams, samples: int) -> None:
+    """Refuse a base seed whose samples' seeds (`seed` to `seed + samples - 1`) would pass the
+    largest 64-bit seed."""
+    if sampling.seed is not None and sampling.seed + samples - 1 > MAX_SEED:
+        raise RequestError(
+            422,
+            f"seed {sampling.seed} is too large: its {samples} samples per task use seeds up "
+            f"to seed + {samples - 1}, past the largest seed {MAX_SEED}",
+            ["body", "sampling", "seed"],
+        )
 
 
 def resolve_sampling(sampling: SamplingParams, settings: Settings) -> dict[str, Any]:
@@ -106,17 +135,79 @@ def _require_backend(svc: Services) -> None:
         )
 
 
-def _enqueue(svc: Services, specs: list[JobSpec], batch_id: str | None, group_size: int) -> None:
+def check_token_limits(svc: Services, sampling: SamplingParams, loc: Sequence[str | int]) -> None:
+    """Refuse a `sampling.max_tokens` above the largest context length among the registered
+    backends (as they reported it at registration); accept any when none reported one."""
+    if sampling.max_tokens is None:
+        return
+    contexts = [b.max_model_len for b in svc.pool.list() if b.max_model_len]
+    if contexts and sampling.max_tokens > max(contexts):
+        raise RequestError(
+            422,
+            f"max_tokens ({sampling.max_tokens}) exceeds the largest context length of the "
+            f"registered backends ({max(contexts)} tokens)",
+            [*loc, "max_tokens"],
+        )
+
+
+def check_task_size(svc: Services, task: Task, loc: Sequence[str | int]) -> None:
+    """Refuse a task whose JSON exceeds `ROLLSERVE_MAX_TASK_BYTES` (413 naming it)."""
+    size = len(json.dumps(task.model_dump(), ensure_ascii=False).encode("utf-8", "replace"))
+    limit = svc.settings.max_task_bytes
+    if size > limit:
+        raise RequestError(
+            413,
+            f"the task is {size} bytes of JSON, over the {limit}-byte limit "
+            "(ROLLSERVE_MAX_TASK_BYTES)",
+            loc,
+        )
+
+
+def check_job_count(svc: Services, jobs: int, what: str, loc: Sequence[str | int]) -> None:
+    """Refuse a request that would create more than `ROLLSERVE_MAX_JOBS_PER_REQUEST` jobs."""
+    limit = svc.settings.max_jobs_per_request
+    if jobs > limit:
+        raise RequestError(
+            413,
+            f"{what} make {jobs} jobs, over the {limit}-job limit of one request "
+            "(ROLLSERVE_MAX_JOBS_PER_REQUEST); split it into several batches",
+            loc,
+        )
+
+
+def check_quota(svc: Services, tenant: str, jobs: int) -> None:
+    """Refuse (429) a submission that would take the tenant past `ROLLSERVE_MAX_QUEUED_JOBS`
+    unfinished jobs. The count is recounted from the records before refusing, so jobs whose
+    records expired never hold a quota."""
+    limit = svc.settings.max_queued_jobs
+    if svc.store.unfinished(tenant) + jobs <= limit:
+        return
+    unfinished = svc.store.unfinished(tenant, recount=True)
+    if unfinished + jobs > limit:
+        raise RequestError(
+            429,
+            f"{unfinished} jobs of yours have not finished and this request adds {jobs}: over "
+            f"the limit of {limit} unfinished jobs (ROLLSERVE_MAX_QUEUED_JOBS); wait for some "
+            "to finish or cancel them",
+        )
+
+
+def _enqueue(
+    svc: Services, specs: list[JobSpec], batch_id: str | None, group_size: int, tenant: str
+) -> None:
     try:
-        svc.dispatcher.enqueue_specs(specs, batch_id, group_size)
+        svc.dispatcher.enqueue_specs(specs, batch_id, group_size, tenant)
     except DispatchError as exc:
         raise RequestError(503, str(exc)) from exc
 
 
-def submit_rollout(svc: Services, request: RolloutRequest) -> str:
+def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonymous") -> str:
     """Validate and enqueue one job; returns its id."""
     validate_task(request.task, ["body", "task"])
+    check_task_size(svc, request.task, ["body", "task"])
     _require_backend(svc)
+    check_token_limits(svc, request.sampling, ["body", "sampling"])
+    check_quota(svc, tenant, 1)
     spec = JobSpec(
         task=request.task.model_dump(),
         data_source=request.task.data_source,
@@ -125,7 +216,7 @@ def submit_rollout(svc: Services, request: RolloutRequest) -> str:
         agent=resolve_agent(request.agent, svc.settings),
         group_id=uuid.uuid4().hex,
     )
-    _enqueue(svc, [spec], None, 1)
+    _enqueue(svc, [spec], None, 1, tenant)
     return spec.job_id
 
 
@@ -171,13 +262,31 @@ def resolve_dynamic(request: BatchRequest) -> DynamicOptions | None:
     )
 
 
-def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
+def submit_batch(
+    svc: Services, request: BatchRequest, tenant: str = "anonymous"
+) -> tuple[str, list[str]]:
     """Validate every task first, then write and enqueue `group_size` jobs per task (with
     dynamic sampling: the first `max_inflight_groups` groups drawn from the tasks)."""
     dynamic = resolve_dynamic(request)
+    # With dynamic sampling, attempt a of a task samples with seeds `seed + a*group_size + i`.
+    if dynamic is None:
+        check_seed_span(request.sampling, request.group_size)
+    else:
+        check_seed_span(request.sampling, dynamic.max_attempts_per_task * dynamic.group_size)
+    if dynamic is None:
+        count = len(request.tasks) * request.group_size
+        what = f"{len(request.tasks)} tasks x group_size {request.group_size}"
+        check_job_count(svc, count, what, ["body", "tasks"])
+    else:
+        count = min(dynamic.max_inflight_groups, len(request.tasks)) * dynamic.group_size
+        what = f"{dynamic.max_inflight_groups} groups in flight x group_size {dynamic.group_size}"
+        check_job_count(svc, count, what, ["body", "dynamic_sampling", "max_inflight_groups"])
     for index, task in enumerate(request.tasks):
         validate_task(task, ["body", "tasks", index])
+        check_task_size(svc, task, ["body", "tasks", index])
     _require_backend(svc)
+    check_token_limits(svc, request.sampling, ["body", "sampling"])
+    check_quota(svc, tenant, count)
     batch_id = uuid.uuid4().hex
     sampling = resolve_sampling(request.sampling, svc.settings)
     agent = resolve_agent(request.agent, svc.settings)
@@ -187,7 +296,7 @@ def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
             for t in request.tasks
         ]
         try:
-            jobs = submit_dynamic(svc.dispatcher, batch_id, pool, dynamic, sampling, agent)
+            jobs = submit_dynamic(svc.dispatcher, batch_id, pool, dynamic, sampling, agent, tenant)
         except DispatchError as exc:
             raise RequestError(503, str(exc)) from exc
         return batch_id, jobs
@@ -208,7 +317,7 @@ def submit_batch(svc: Services, request: BatchRequest) -> tuple[str, list[str]]:
                     batch_id=batch_id,
                 )
             )
-    _enqueue(svc, specs, batch_id, request.group_size)
+    _enqueue(svc, specs, batch_id, request.group_size, tenant)
     return batch_id, [s.job_id for s in specs]
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from celery import Celery, chain
-from kombu import Queue
+from celery import Celery, Signature, chain
+from kombu import Producer, Queue
 
 from broker.settings import Settings, get_settings
 
@@ -90,11 +90,32 @@ def get_celery() -> Celery:
 
 def job_chain(app: Celery, job_id: str, task_ids: dict[str, str]) -> chain:
     """The job's pipeline, init → run → eval, with the task ids recorded in its job record."""
-    return chain(
-        *(
-            app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
-                task_id=task_ids[stage]
-            )
-            for stage in QUEUES
+    return chain(*_stage_signatures(app, job_id, task_ids))
+
+
+def _stage_signatures(app: Celery, job_id: str, task_ids: dict[str, str]) -> list[Signature]:
+    return [
+        app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
+            task_id=task_ids[stage]
         )
+        for stage in QUEUES
+    ]
+
+
+def send_job(app: Celery, job_id: str, task_ids: dict[str, str], producer: Producer) -> None:
+    """Publish the job's INIT task with the rest of its chain in the message, on `producer`.
+
+    This is the message `job_chain(...).apply_async()` sends, but it uses only the producer
+    given: Celery's chain drops a `producer=` argument and takes a second producer (and
+    connection) from the same pools, so callers holding one could exhaust them and wait on
+    each other for good.
+    """
+    first, *rest = _stage_signatures(app, job_id, task_ids)
+    app.send_task(
+        first.task,
+        args=first.args,
+        task_id=task_ids["init"],
+        producer=producer,
+        # The worker pops the next link from the end of the list.
+        chain=[dict(link) for link in reversed(rest)],
     )

@@ -47,12 +47,14 @@ def submit_dynamic(
     options: DynamicOptions,
     sampling: dict[str, Any],
     agent: dict[str, Any],
+    tenant: str = "",
 ) -> list[str]:
     """Write the batch, draw its first `max_inflight_groups` groups and send them; returns
-    their job ids. On a broker error nothing of the batch is left."""
+    their job ids. On a broker error nothing of the batch is left. Every job the batch ever
+    draws counts against `tenant`'s unfinished jobs until it ends."""
     store = dispatcher.store
     samplings = attempt_samplings(sampling, options.group_size, options.max_attempts_per_task)
-    job_ids = store.create_dynamic_batch(batch_id, pool, options, samplings, agent)
+    job_ids = store.create_dynamic_batch(batch_id, pool, options, samplings, agent, tenant)
     try:
         dispatcher.send_drawn(batch_id, job_ids)
     except Exception as exc:

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from celery import Celery
+from kombu.exceptions import LimitExceeded
 
 from api.schemas import JobStatus, StageError
-from broker.celery_app import job_chain
+from broker.celery_app import send_job
 from broker.jobstore import (
     FinishOutcome,
     JobNotFound,
@@ -44,6 +45,9 @@ RELEASE_COMMAND = "rollserve_release"
 
 TARGET_TOKEN = "~target"
 """The stopping-set token of the cancellation that follows a dynamic batch's target."""
+
+SEND_CHUNK = 200
+"""Jobs published per producer acquisition: a large batch lets other senders in between."""
 
 UNSENT_GRACE = 60.0
 """Seconds a drawn job may stay unsent before `recover` presumes its sender died."""
@@ -64,6 +68,8 @@ class Dispatcher:
     """This process's node: sandboxes recorded on it are stopped directly."""
     grace: float = 1.0
     """Seconds a cancelled job's running stage gets to stop by itself before it is killed."""
+    send_timeout: float = 30.0
+    """Seconds a sender waits for a connection to the broker before giving up."""
 
     def install(self) -> Dispatcher:
         """Follow up every job end recorded through `store` (refills, target cancellations)."""
@@ -75,22 +81,40 @@ class Dispatcher:
         self, job_ids: Sequence[str], task_ids: dict[str, dict[str, str]] | None = None
     ) -> None:
         """Send each job's chain `init → run → eval` (task ids from `task_ids`, else derived
-        from the job id)."""
-        with self.celery.producer_or_acquire() as producer:
-            for job_id in job_ids:
-                ids = (task_ids or {}).get(job_id) or stage_task_ids(job_id)
-                job_chain(self.celery, job_id, ids).apply_async(producer=producer)
+        from the job id).
+
+        Each chunk of jobs is published on one broker connection taken from the app's pool
+        for that chunk only, and nothing else is taken while it is held, so any number of
+        concurrent senders share the pool without waiting on each other for good. A sender
+        that gets no connection within `send_timeout` seconds (the broker is saturated or
+        gone) gets a `DispatchError`.
+        """
+        for start in range(0, len(job_ids), SEND_CHUNK):
+            chunk = job_ids[start : start + SEND_CHUNK]
+            try:
+                connection = self.celery.pool.acquire(block=True, timeout=self.send_timeout)
+            except LimitExceeded:
+                raise DispatchError(
+                    f"the broker is saturated: no connection to it came free within "
+                    f"{self.send_timeout:g}s (ROLLSERVE_BROKER_SEND_TIMEOUT); try again"
+                ) from None
+            with connection:
+                producer = self.celery.amqp.Producer(connection)
+                for job_id in chunk:
+                    ids = (task_ids or {}).get(job_id) or stage_task_ids(job_id)
+                    send_job(self.celery, job_id, ids, producer)
 
     def enqueue_specs(
-        self, specs: Sequence[JobSpec], batch_id: str | None, group_size: int
+        self, specs: Sequence[JobSpec], batch_id: str | None, group_size: int, tenant: str = ""
     ) -> None:
-        """Create the jobs and send them; on a broker error nothing of them is left."""
-        self.store.create_jobs(specs, batch_id=batch_id, group_size=group_size)
+        """Create the jobs and send them; on a broker error nothing of them is left (chains
+        sent before the error find no job and are dropped by the workers)."""
+        self.store.create_jobs(specs, batch_id=batch_id, group_size=group_size, tenant=tenant)
         try:
             self.send([s.job_id for s in specs], {s.job_id: s.task_ids for s in specs})
         except Exception as exc:
             log.exception("enqueueing %d jobs failed", len(specs))
-            self.store.delete_jobs(specs, batch_id)
+            self.store.delete_jobs(specs, batch_id, tenant)
             raise DispatchError(f"the broker did not take the jobs: {exc}") from exc
 
     def send_drawn(self, batch_id: str, job_ids: Sequence[str]) -> None:
@@ -120,7 +144,7 @@ class Dispatcher:
         cancelled: list[JobRecord] = []
         for job_id in self.store.live_job_ids(job_ids):
             try:
-                record = self.store.get(job_id)
+                record = self.store.get(job_id, task=False)
             except JobNotFound:
                 continue
             if record.status.terminal:
@@ -159,7 +183,7 @@ class Dispatcher:
         remote: list[str] = []
         for job_id in job_ids:
             try:
-                sandbox = self.store.get(job_id).sandbox
+                sandbox = self.store.get(job_id, task=False).sandbox
             except JobNotFound:
                 continue
             if sandbox is None:

@@ -135,9 +135,11 @@ end
 -- jobs (status queued); returns the new job ids.
 local function draw(p, bid, now)
   local bkey = p .. 'batch:' .. bid
-  local b = redis.call('HMGET', bkey, 'state', 'inflight_max', 'group_size')
+  local b = redis.call('HMGET', bkey, 'state', 'inflight_max', 'group_size', 'tenant')
   local out = {}
   if b[1] ~= 'running' then return out end
+  local tenant = b[4] or ''
+  local live = p .. 'tenant:' .. tenant .. ':live'
   local cap, size = tonumber(b[2]), tonumber(b[3])
   local ttl = redis.call('TTL', bkey)
   while tonumber(redis.call('HGET', bkey, 'groups_inflight')) < cap do
@@ -145,7 +147,9 @@ local function draw(p, bid, now)
     if not idx then break end
     local attempt = redis.call('HINCRBY', bkey .. ':attempts', idx, 1)
     local gid = bid .. '-' .. redis.call('HINCRBY', bkey, 'groups_seq', 1)
-    local spec = redis.call('HMGET', bkey .. ':spec', 'task:' .. idx, 'ds:' .. idx,
+    -- spec[1] is a placeholder: the task itself stays in the spec hash (one copy per pool
+    -- task, however many jobs sample it); jobs refer to it by key and field.
+    local spec = redis.call('HMGET', bkey .. ':spec', 'ds:' .. idx, 'ds:' .. idx,
                             'iid:' .. idx, 'sampling:' .. (attempt - 1), 'agent')
     local ids = {}
     for i = 0, size - 1 do
@@ -153,7 +157,8 @@ local function draw(p, bid, now)
       local jkey = p .. 'job:' .. jid
       local tids = '{"init": "' .. jid .. '-init", "run": "' .. jid .. '-run", "eval": "'
                    .. jid .. '-eval"}'
-      redis.call('HSET', jkey, 'job_id', jid, 'status', 'queued', 'task', spec[1],
+      redis.call('HSET', jkey, 'job_id', jid, 'status', 'queued',
+                 'task_key', bkey .. ':spec', 'task_field', 'task:' .. idx, 'tenant', tenant,
                  'data_source', spec[2], 'instance_id', spec[3], 'group_id', gid,
                  'sample_index', i, 'batch_id', bid, 'sampling', spec[4], 'agent', spec[5],
                  'task_ids', tids, 'created_at', now, 't_queued', now)
@@ -164,6 +169,10 @@ local function draw(p, bid, now)
     end
     redis.call('RPUSH', bkey .. ':jobs', unpack(ids))
     keep(p, bid, bkey .. ':jobs')
+    if tenant ~= '' then
+      redis.call('SADD', live, unpack(ids))
+      if ttl > 0 then redis.call('EXPIRE', live, ttl) end
+    end
     keep(p, bid, bkey .. ':attempts')
     local gkey = p .. 'group:' .. gid
     redis.call('HSET', gkey, 'size', size, 'finished', 0, 'task', idx, 'attempt', attempt,
@@ -262,13 +271,15 @@ if not cur then return {-1} end
 if string.find(',' .. ARGV[6] .. ',', ',' .. cur .. ',', 1, true) then return {0} end
 local ttl = tonumber(ARGV[5])
 local p, now = ARGV[8], ARGV[2]
-local held = redis.call('HMGET', KEYS[1], 'active', 'sandbox', 'sandbox_released', 't_init')
+local held = redis.call('HMGET', KEYS[1], 'active', 'sandbox', 'sandbox_released', 't_init',
+                        'tenant')
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 't_end', now, 'error', ARGV[7])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ttl)
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('HINCRBY', KEYS[3], cur, -1)
 redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 local job_id = redis.call('HGET', KEYS[1], 'job_id')
+if nonempty(held[5]) then redis.call('SREM', p .. 'tenant:' .. held[5] .. ':live', job_id) end
 redis.call('ZADD', KEYS[4], now, job_id)
 redis.call('RPUSH', KEYS[8], ARGV[1])
 redis.call('EXPIRE', KEYS[8], 600)
@@ -289,6 +300,7 @@ if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
   end
   redis.call('XADD', KEYS[6], '*', 'job_id', job_id)
   local finished = redis.call('HINCRBY', KEYS[7], 'finished', 1)
+  if redis.call('TTL', KEYS[7]) < ttl then redis.call('EXPIRE', KEYS[7], ttl) end
   if ARGV[4] ~= '' then redis.call('HSET', KEYS[7], 'r:' .. job_id, ARGV[4]) end
   local dynamic = redis.call('HGET', KEYS[5], 'dynamic') == '1'
   if dynamic then
@@ -551,6 +563,9 @@ class JobStore:
     def _hist(self, stage: str) -> str:
         return f"{self.p}hist:{stage}"
 
+    def _tenant_live(self, tenant: str) -> str:
+        return f"{self.p}tenant:{tenant}:live"
+
     # ------------------------------------------------------------------ creation
     def create_jobs(
         self,
@@ -558,19 +573,33 @@ class JobStore:
         *,
         batch_id: str | None = None,
         group_size: int = 1,
+        tenant: str = "",
     ) -> None:
-        """Write all job records (and the batch's) in one transaction, status `queued`."""
+        """Write all job records (and the batch's) in one transaction, status `queued`.
+
+        A batch's task is stored once per group (in the group's hash), not in every job of
+        it. With a `tenant`, the jobs count against its unfinished jobs until they end."""
         now = time.time()
         pipe = self.r.pipeline(transaction=True)
         groups: dict[str, int] = {}
+        group_tasks: dict[str, str] = {}
         for spec in specs:
             groups[spec.group_id] = groups.get(spec.group_id, 0) + 1
+            if batch_id is not None:
+                group_tasks.setdefault(spec.group_id, json.dumps(spec.task))
+                where: dict[str | bytes, str] = {
+                    "task_key": self._group(spec.group_id),
+                    "task_field": "task_json",
+                }
+            else:
+                where = {"task": json.dumps(spec.task)}
             pipe.hset(
                 self._job(spec.job_id),
                 mapping={
+                    **where,
+                    "tenant": tenant,
                     "job_id": spec.job_id,
                     "status": JobStatus.queued.value,
-                    "task": json.dumps(spec.task),
                     "data_source": spec.data_source,
                     "instance_id": spec.instance_id,
                     "group_id": spec.group_id,
@@ -585,6 +614,9 @@ class JobStore:
             )
             pipe.expire(self._job(spec.job_id), self.ttl)
         pipe.hincrby(self._counts, JobStatus.queued.value, len(specs))
+        if tenant and specs:
+            pipe.sadd(self._tenant_live(tenant), *[s.job_id for s in specs])
+            pipe.expire(self._tenant_live(tenant), self.ttl)
         if batch_id is not None:
             pipe.hset(
                 self._batch(batch_id),
@@ -602,17 +634,24 @@ class JobStore:
             for key in (self._batch(batch_id), self._batch_jobs(batch_id)):
                 pipe.expire(key, self.ttl)
             for group_id, size in groups.items():
-                pipe.hset(self._group(group_id), mapping={"size": size, "finished": 0})
+                pipe.hset(
+                    self._group(group_id),
+                    mapping={"size": size, "finished": 0, "task_json": group_tasks[group_id]},
+                )
                 pipe.expire(self._group(group_id), self.ttl)
         pipe.execute()
 
-    def delete_jobs(self, specs: Iterable[JobSpec], batch_id: str | None = None) -> None:
+    def delete_jobs(
+        self, specs: Iterable[JobSpec], batch_id: str | None = None, tenant: str = ""
+    ) -> None:
         """Undo `create_jobs` when enqueueing failed, so nothing half-made is left behind."""
         specs = list(specs)
         pipe = self.r.pipeline(transaction=True)
         for spec in specs:
             pipe.delete(self._job(spec.job_id))
         pipe.hincrby(self._counts, JobStatus.queued.value, -len(specs))
+        if tenant and specs:
+            pipe.srem(self._tenant_live(tenant), *[s.job_id for s in specs])
         if batch_id is not None:
             pipe.delete(self._batch(batch_id), self._batch_jobs(batch_id))
             for group_id in {s.group_id for s in specs}:
@@ -627,6 +666,7 @@ class JobStore:
         options: DynamicOptions,
         samplings: Sequence[dict[str, Any]],
         agent: dict[str, Any],
+        tenant: str = "",
     ) -> list[str]:
         """Write a dynamic batch (its pool, options and counters) and draw its first groups;
         returns their job ids (created, queued, not yet sent to Celery).
@@ -665,6 +705,7 @@ class JobStore:
                 "groups_seq": 0,
                 "groups_drawn": 0,
                 "groups_inflight": 0,
+                "tenant": tenant,
             },
         )
         pipe.hset(self._bkey(batch_id, "spec"), mapping=spec)
@@ -678,7 +719,10 @@ class JobStore:
         """Undo `create_dynamic_batch` (its jobs are all still queued) when sending failed."""
         job_ids = [_s(x) for x in self.r.lrange(self._batch_jobs(batch_id), 0, -1)]
         groups = {job_id.rsplit("-", 1)[0] for job_id in job_ids}
+        tenant = _s(self.r.hget(self._batch(batch_id), "tenant") or "")
         pipe = self.r.pipeline(transaction=True)
+        if tenant and job_ids:
+            pipe.srem(self._tenant_live(tenant), *job_ids)
         for job_id in job_ids:
             pipe.delete(self._job(job_id))
         for group_id in groups:
@@ -740,11 +784,18 @@ class JobStore:
         return {_s(k): _s(v) for k, v in self.r.hgetall(self._batch(batch_id)).items()}
 
     # ------------------------------------------------------------------ reads
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str, *, task: bool = True) -> JobRecord:
+        """The job's record; with `task=False` its `task` is left empty (one read less)."""
         raw = self.r.hgetall(self._job(job_id))
         if not raw:
             raise JobNotFound(job_id)
         h = {_s(k): _s(v) for k, v in raw.items()}
+        if not task:
+            h["task"] = "{}"
+        elif "task" not in h:
+            # stored once for the job's group (or a dynamic batch's pool); gone only when
+            # the record has outlived it
+            h["task"] = _s(self.r.hget(h.get("task_key", ""), h.get("task_field", "")) or "{}")
         times = {k[2:]: float(v) for k, v in h.items() if k.startswith("t_") and v}
         durations = {k[4:]: float(v) for k, v in h.items() if k.startswith("dur_") and v}
         return JobRecord(
@@ -784,6 +835,20 @@ class JobStore:
                     live.append(job_id)
         return live
 
+    def unfinished(self, tenant: str, recount: bool = False) -> int:
+        """How many of the tenant's jobs have not ended. With `recount`, jobs whose record
+        expired or was deleted without an end are dropped from the count first."""
+        key = self._tenant_live(tenant)
+        if recount:
+            members = [_s(m) for m in self.r.sscan_iter(key, count=1000)]
+            for start in range(0, len(members), 1000):
+                chunk = members[start : start + 1000]
+                alive = self.live(chunk)
+                gone = [m for m in chunk if m not in alive]
+                if gone:
+                    self.r.srem(key, *gone)
+        return int(self.r.scard(key))
+
     def status(self, job_id: str) -> JobStatus:
         raw = self.r.hget(self._job(job_id), "status")
         if raw is None:
@@ -806,7 +871,7 @@ class JobStore:
     def trajectory(self, job_id: str) -> Trajectory:
         """The stored trajectory (final, or partial so far), or a skeleton from the record."""
         raw = self.r.get(self._traj(job_id))
-        record = self.get(job_id)
+        record = self.get(job_id, task=False)
         traj = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
         # The record is authoritative for status, error and timing; the trajectory may lag it.
         traj.status = record.status
@@ -921,7 +986,7 @@ class JobStore:
         """`finish` without the follow-up: what the end set in motion is returned."""
         if not status.terminal:
             raise ValueError(f"{status} is not a final status")
-        record = self.get(job_id)
+        record = self.get(job_id, task=False)
         if record.status.terminal:
             return FinishOutcome(job_id, recorded=False, batch_id=record.batch_id)
         if trajectory is None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from routing.addresses import IPNetwork
 
 
 class Settings(BaseSettings):
@@ -19,6 +25,10 @@ class Settings(BaseSettings):
     """Redis for the broker and the job store. Unset: an embedded Redis is started."""
     data_dir: Path = Path(".rollserve")
     """Working files of `rollserve up`: the embedded Redis's data directory, logs."""
+    redis_maxmemory: str = "25%"
+    """Memory cap of the embedded Redis: a size (`4gb`, `512mb`), a share of this machine's
+    RAM (`25%`) or `0` for none. It runs with `maxmemory-policy noeviction`, so job state is
+    never evicted: when full, writes are refused and the gateway answers 503."""
     key_prefix: str = "rs:"
     """Prefix of every Redis key the job store and the backend pool write."""
 
@@ -34,6 +44,18 @@ class Settings(BaseSettings):
     """Largest request body the gateway accepts (413 beyond)."""
     max_wait_seconds: float = 600.0
     """Longest a `?wait=true` request blocks before answering with the job as it is."""
+    max_jobs_per_request: int = Field(default=10_000, ge=1)
+    """Most jobs one submission may create (tasks x group size; for dynamic sampling, the
+    groups in flight x group size); a bigger request is refused with a 413."""
+    max_task_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    """Largest task (its JSON) a submission may carry; a bigger one is refused with a 413.
+    A task is stored once per group, however many samples it has."""
+    max_queued_jobs: int = Field(default=100_000, ge=1)
+    """Most unfinished jobs one tenant (one API token, or everyone without a token) may have;
+    a submission past it is refused with a 429."""
+    broker_send_timeout: float = Field(default=30.0, gt=0)
+    """Seconds a submission waits for a connection to the broker before it is refused with a
+    503 (the broker is saturated or unreachable); nothing of it is kept."""
 
     init_soft_time_limit: float = 300.0
     """Seconds INIT may run before it is stopped and the job is timed out."""
@@ -72,6 +94,11 @@ class Settings(BaseSettings):
     backend_failovers: int = Field(default=3, ge=0)
     """Times one request is re-sent to another backend after losing its own (connection
     refused or reset, no answer)."""
+    backend_networks: str | None = None
+    """Networks inference backends may be registered in: comma-separated CIDRs (e.g.
+    `10.0.0.0/8,127.0.0.0/8`), checked against every address a backend's host resolves to.
+    Unset: any address but link-local and cloud metadata ones (169.254.0.0/16, fe80::/10),
+    which are allowed only when a listed network lies within their range."""
 
     node_name: str = Field(default_factory=socket.gethostname)
     """This worker node's name: sandboxed jobs run RUN (and EVAL, when it grades in the
@@ -87,6 +114,10 @@ class Settings(BaseSettings):
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0
     """Default seconds for one bash or ipython call of an agent."""
+    swe_repo_roots: str | None = None
+    """Directories `swe` tasks may name host repositories (`environment.repo_path`) under:
+    absolute paths separated by `,` or `:`. Unset: tasks with a host repository are
+    refused."""
 
     max_tokens: int = 1024
     """Default `sampling.max_tokens` (tokens per model call)."""
@@ -99,6 +130,34 @@ class Settings(BaseSettings):
     """Port of the development inference server that `rollserve up` starts."""
     tiny_model_dir: Path = Path(".rollserve/tiny-qwen3")
     """Where `up`/`demo` keep the tiny random Qwen3 model of the development server."""
+
+    @field_validator("redis_maxmemory")
+    @classmethod
+    def _check_maxmemory(cls, value: str) -> str:
+        from broker.embedded import maxmemory_bytes
+
+        maxmemory_bytes(value)  # raises ValueError naming the accepted forms
+        return value
+
+    @field_validator("backend_networks")
+    @classmethod
+    def _check_backend_networks(cls, value: str | None) -> str | None:
+        from routing.addresses import parse_networks
+
+        parse_networks(value)  # raises ValueError naming the entry that is not a network
+        return value
+
+    @field_validator("swe_repo_roots")
+    @classmethod
+    def _check_swe_repo_roots(cls, value: str | None) -> str | None:
+        for root in _split_roots(value):
+            if not os.path.isabs(root):
+                raise ValueError(f"{root!r} is not an absolute path")
+            if os.path.normpath(root) == os.sep:
+                raise ValueError(
+                    "/ would allow every path; name the directories of the repositories"
+                )
+        return value
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
@@ -130,6 +189,18 @@ class Settings(BaseSettings):
         return env
 
     @property
+    def backend_network_list(self) -> tuple[IPNetwork, ...]:
+        """`backend_networks` parsed (empty when unset)."""
+        from routing.addresses import parse_networks
+
+        return parse_networks(self.backend_networks)
+
+    @property
+    def swe_repo_root_list(self) -> tuple[Path, ...]:
+        """`swe_repo_roots` as paths, symlinks resolved (empty when unset)."""
+        return tuple(Path(os.path.realpath(root)) for root in _split_roots(self.swe_repo_roots))
+
+    @property
     def longest_hard_limit(self) -> float:
         return max(self.init_time_limit, self.run_time_limit, self.eval_time_limit)
 
@@ -138,6 +209,13 @@ class Settings(BaseSettings):
         if self.visibility_timeout is not None:
             return self.visibility_timeout
         return self.longest_hard_limit + 600.0
+
+
+def _split_roots(value: str | None) -> list[str]:
+    """The entries of a `,`- or `os.pathsep`-separated list of paths."""
+    if not value:
+        return []
+    return [part.strip() for part in re.split(f"[,{re.escape(os.pathsep)}]", value) if part.strip()]
 
 
 @lru_cache(maxsize=1)

@@ -10,10 +10,13 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.celery_app import QUEUES
 from broker.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from deploy.stack import Stack
 
 
 def _stop_on_sigterm() -> threading.Event:
@@ -50,6 +53,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         backends=list(args.backend or []),
         flower=args.flower,
         flower_port=args.flower_port,
+        flower_address=args.flower_address,
         gateway_port=args.port,
     )
     if not args.backend or args.dev_backend:
@@ -58,22 +62,46 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             script=args.script,
             port=settings.dev_backend_port,
         )
+    from broker.embedded import redact_url
+
     stopping = _stop_on_sigterm()
     stack = Stack(settings, options)
     print("starting rollserve ...", flush=True)
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:  # the stack stopped whatever it had started
+        print(f"rollserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
     with stack:
         print(f"gateway      {stack.gateway_url}  (OpenAPI at {stack.gateway_url}/docs)")
-        print(f"redis        {stack.redis_url}{'  (embedded)' if stack.redis else ''}")
+        print(f"redis        {redact_url(stack.redis_url)}{'  (embedded)' if stack.redis else ''}")
         if stack.dev_backend_url:
             print(f"dev backend  {stack.dev_backend_url}  (stand-in for vLLM)")
         if args.flower:
-            print(f"flower       http://127.0.0.1:{args.flower_port}")
+            auth = "  (user rollserve, the API token)" if settings.api_token else ""
+            print(f"flower       http://{args.flower_address}:{args.flower_port}{auth}")
         print(f"workers      {', '.join(stack.worker_names.values())}")
         print(f"logs         {settings.data_dir / 'logs'}")
+        _wait_ready(stack, stopping)
         print("Ctrl-C stops everything.", flush=True)
         stopping.wait()
         print("stopping ...", flush=True)
     return 0
+
+
+def _wait_ready(stack: Stack, stopping: threading.Event) -> None:
+    """Say `ready` once `GET /readyz` answers 200; until then, say what is missing (a stack
+    that leaves a queue or the backends to other machines waits for them to join)."""
+    said: list[str] = []
+    while not stopping.is_set():
+        missing = stack.readiness()
+        if not missing:
+            print(f"ready        {stack.gateway_url}/readyz answers 200", flush=True)
+            return
+        if missing != said:
+            print(f"not ready    waiting for {', '.join(missing)}", flush=True)
+            said = missing
+        stopping.wait(1.0)
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
@@ -167,6 +195,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from rich.console import Console
 
     from api.client import RolloutClient
+    from broker.embedded import redact_url
     from broker.processes import free_port
     from deploy.stack import DevBackendOptions, Stack, StackOptions
     from deploy.submit import read_tasks, render_summary, submit_and_collect
@@ -191,7 +220,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     )
     _stop_on_sigterm_as_interrupt()
     with Stack(settings, options) as stack:
-        console.print(f"gateway {stack.gateway_url}, redis {stack.redis_url}")
+        console.print(f"gateway {stack.gateway_url}, redis {redact_url(stack.redis_url)}")
         with RolloutClient(stack.gateway_url, token=settings.api_token) as client:
             summary = submit_and_collect(
                 client, tasks, group_size=args.group_size, out=args.out,
@@ -240,8 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     for queue in QUEUES:
         up.add_argument(f"--{queue}-workers", type=int, default=1, metavar="N",
                         help=f"prefork processes on the {queue} queue")  # fmt: skip
-    up.add_argument("--flower", action="store_true", help="start Flower too")
+    up.add_argument(
+        "--flower",
+        action="store_true",
+        help="start Flower too (behind basic auth rollserve:<ROLLSERVE_API_TOKEN> when set)",
+    )
     up.add_argument("--flower-port", type=int, default=5555)
+    up.add_argument(
+        "--flower-address",
+        default="127.0.0.1",
+        help="interface Flower binds; other than loopback only with ROLLSERVE_API_TOKEN set",
+    )
 
     worker = sub.add_parser("worker", help="a Celery worker on one queue")
     worker.add_argument("queue", choices=QUEUES)

@@ -6,6 +6,7 @@ killed owner leaves a process behind.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import subprocess
@@ -19,11 +20,20 @@ from types import TracebackType
 import httpx
 
 from broker.celery_app import QUEUES, worker_queues
-from broker.embedded import EmbeddedRedis
+from broker.embedded import EmbeddedRedis, redact_url, write_private_file
 from broker.processes import free_port, spawn, stop_group, wait_for_port
 from broker.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -47,9 +57,14 @@ class StackOptions:
     """Real inference servers to register: {"url", "model", "kind"}."""
     flower: bool = False
     flower_port: int = 5555
+    flower_address: str = "127.0.0.1"
+    """Interface Flower binds; anything but loopback needs ROLLSERVE_API_TOKEN (basic auth)."""
     gateway_port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every child (e.g. shorter time limits in tests)."""
+    ready_timeout: float = 60.0
+    """Seconds `start()` waits for `GET /readyz` to answer 200 when the stack runs every part
+    itself (workers on every queue and a backend); a stack missing a part does not wait."""
 
 
 class Stack:
@@ -82,9 +97,13 @@ class Stack:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         if not self.redis_url:
-            self.redis = EmbeddedRedis(self.data_dir / "redis")
+            self.redis = EmbeddedRedis(
+                self.data_dir / "redis", maxmemory=self.settings.redis_maxmemory
+            )
             self.redis_url = self.redis.start()
-            log.info("embedded Redis at %s", self.redis_url)
+            log.info("embedded Redis at %s", redact_url(self.redis_url))
+        if self.options.flower:
+            self._check_flower_exposure()
         if self.options.dev_backend is not None:
             self._start_dev_backend(self.options.dev_backend)
         for queue, concurrency in self.options.workers.items():
@@ -96,6 +115,8 @@ class Stack:
         for name in list(self.worker_names):
             self.wait_worker(name)
         self._register_backends()
+        if self.runs_every_part:
+            self.wait_ready(self.options.ready_timeout)
 
     def stop(self) -> None:
         """Stop every child (workers first, Redis last); safe to call twice."""
@@ -213,12 +234,85 @@ class Stack:
         wait_for_port(self.settings.host, port, 60, proc)
         self.gateway_url = f"http://{self.settings.host}:{port}"
 
+    def _check_flower_exposure(self) -> None:
+        """Flower shows every job's arguments: beyond loopback only behind the API token."""
+        address = self.options.flower_address
+        if not self.settings.api_token and not _is_loopback(address):
+            raise RuntimeError(
+                f"refusing to start Flower on {address}: without ROLLSERVE_API_TOKEN it has no "
+                "authentication and shows every job's arguments; set a token or bind 127.0.0.1"
+            )
+
     def _start_flower(self) -> None:
+        """Flower on `flower_address`; with an API token, behind HTTP basic auth
+        (`rollserve:<token>`) given in a configuration file of mode 0600, never on argv.
+
+        Flower reads the broker from the Celery app (`broker.worker_app`, on the environment's
+        ROLLSERVE_REDIS_URL), so the Redis password is not on its command line either.
+        """
+        self._check_flower_exposure()
+        flower_dir = self.data_dir / "flower"
+        flower_dir.mkdir(mode=0o700, exist_ok=True)
+        config = flower_dir / "flowerconfig.py"
+        lines = [f"basic_auth = {[f'rollserve:{self.settings.api_token}']!r}"]
+        if not self.settings.api_token:
+            lines = []
+            log.warning(
+                "Flower on %s:%d has no authentication (ROLLSERVE_API_TOKEN is unset): every "
+                "local user can see every job's arguments in it",
+                self.options.flower_address,
+                self.options.flower_port,
+            )
+        write_private_file(config, "".join(line + "\n" for line in lines))
         argv = [
             sys.executable, "-m", "celery", "-A", "broker.worker_app", "flower",
-            f"--port={self.options.flower_port}", "--address=127.0.0.1",
+            f"--port={self.options.flower_port}", f"--address={self.options.flower_address}",
+            f"--conf={config}",
         ]  # fmt: skip
-        self._spawn("flower", argv)
+        proc = self._spawn("flower", argv)
+        address = self.options.flower_address
+        wait_for_port(
+            "127.0.0.1" if address in ("0.0.0.0", "", "::") else address,
+            self.options.flower_port,
+            60,
+            proc,
+        )
+
+    # ------------------------------------------------------------------ readiness
+    @property
+    def runs_every_part(self) -> bool:
+        """Whether this stack itself runs a worker on every queue and has a backend to register
+        (otherwise it is ready only once workers or backends from elsewhere join)."""
+        workers = self.options.workers
+        return bool(self.options.backends) and all(workers.get(q, 0) > 0 for q in QUEUES)
+
+    def readiness(self) -> list[str]:
+        """What the gateway's `GET /readyz` says is missing; empty when it answers 200."""
+        try:
+            answer = httpx.get(f"{self.gateway_url}/readyz", timeout=10)
+        except httpx.HTTPError as exc:
+            return [f"an answer from the gateway ({type(exc).__name__})"]
+        if answer.status_code == 200:
+            return []
+        try:
+            missing = answer.json().get("missing")
+        except ValueError:
+            missing = None
+        return [str(m) for m in missing] if missing else [f"HTTP {answer.status_code} from /readyz"]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until `GET /readyz` answers 200; fail naming what is missing after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = self.readiness()
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"the stack is not ready after {timeout:.0f}s: missing "
+                    f"{', '.join(missing)} (see the logs in {self.data_dir / 'logs'})"
+                )
+            time.sleep(0.25)
 
     def _register_backends(self) -> None:
         headers = {}

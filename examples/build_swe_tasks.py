@@ -503,9 +503,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write into")
     args = parser.parse_args(argv)
     tasks = build(args.out)
+    repos_dir = args.out.resolve() / "repos"
     for task in tasks:
         print(f"{task['instance_id']}  {task['base_commit'][:12]}  {task['environment']}")
     print(f"wrote {len(tasks)} tasks to {args.out / 'swe_tasks.jsonl'}")
+    print(f"the service takes their repositories with ROLLSERVE_SWE_REPO_ROOTS={repos_dir}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 from routing.vllm import (
     BackendError,
     Completion,
+    OutOfVocabularyError,
     VLLMClient,
     normalize_finish_reason,
     request_id_header,
@@ -99,7 +100,7 @@ class VLLMGenerateClient(VLLMClient):
             body["request_id"] = request_id
         data = await self._post(GENERATE_PATH, body, headers=request_id_header(request_id))
         ids, logprobs, reason, prompt_tokens = self._generated(data, prompt_ids)
-        text = await self.detokenize(ids) if ids else ""
+        text = await self._text_of(ids)
         return Completion(
             output_ids=ids,
             logprobs=logprobs,
@@ -108,6 +109,22 @@ class VLLMGenerateClient(VLLMClient):
             stop_reason=matched_stop(text, stop) if reason == "stop" else None,
             prompt_tokens=prompt_tokens,
         )
+
+    async def _text_of(self, ids: list[int]) -> str:
+        """The text of generated `ids` by `/detokenize`. Ids the server refuses as outside its
+        vocabulary (a model padded past its tokenizer can generate them) decode to nothing,
+        as a tokenizer decodes them: they are left out and the rest is asked again."""
+        kept = ids
+        while kept:
+            try:
+                return await self.detokenize(kept)
+            except OutOfVocabularyError as e:
+                bound = e.refused_from
+                fewer = [i for i in kept if bound is None or i < bound]
+                if len(fewer) == len(kept):
+                    raise
+                kept = fewer
+        return ""
 
     def _generated(
         self, data: dict[str, Any], prompt_ids: list[int]

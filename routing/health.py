@@ -4,6 +4,10 @@
 re-admitted as soon as it answers) and then rebuilds the pool's counts from live jobs. Workers
 run it on a timer; a Redis lock makes one sweep per interval happen fleet-wide, whichever
 worker takes it.
+
+One backend's bad data never stops a sweep: a probe that cannot even be sent (a URL the HTTP
+client refuses) counts as a failed check, and so does a record in Redis that cannot be read
+as a backend; every other backend is probed as usual.
 """
 
 from __future__ import annotations
@@ -25,12 +29,31 @@ PROBE_TIMEOUT = 3.0
 
 
 def probe(backend: Backend, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether the backend's `GET /health` answers 200 (vLLM and SGLang both serve it)."""
+    """Whether the backend's `GET /health` answers 200 (vLLM and SGLang both serve it).
+
+    False for anything that goes wrong, also before a request is sent (`httpx.InvalidURL`,
+    `UnicodeError`, `ValueError` for a URL the client cannot use)."""
     try:
         answer = httpx.get(backend.url.rstrip("/") + "/health", timeout=timeout)
     except httpx.HTTPError:
         return False
+    except Exception as exc:  # a URL httpx refuses: this backend fails, the sweep goes on
+        log.warning("backend %s cannot be probed: %s", backend.id, type(exc).__name__)
+        return False
     return answer.status_code == 200
+
+
+def _checked(check: Callable[[Backend], bool], backend: Backend) -> bool:
+    """`check(backend)`, with anything it raises counted as a failed check."""
+    try:
+        return bool(check(backend))
+    except Exception as exc:
+        log.warning(
+            "health check of backend %s raised %s: counted as failed",
+            backend.id,
+            type(exc).__name__,
+        )
+        return False
 
 
 @dataclass
@@ -48,21 +71,26 @@ def sweep(
     is_live: Callable[[Iterable[str]], set[str]],
     check: Callable[[Backend], bool] = probe,
 ) -> SweepReport:
-    """Probe every registered backend (in parallel) and record each result; then reconcile."""
+    """Probe every registered backend (in parallel) and record each result; then reconcile.
+
+    A backend whose record is malformed is not probed; it counts a failed check, so it is
+    taken out of rotation like one that does not answer."""
     report = SweepReport()
-    backends = pool.list()
+    backends, malformed = pool.scan()
+    results: list[tuple[str, bool]] = [(backend_id, False) for backend_id in malformed]
     if backends:
         with ThreadPoolExecutor(max_workers=min(16, len(backends))) as workers:
-            results = list(workers.map(check, backends))
-        for backend, ok in zip(backends, results, strict=True):
-            before, after = pool.report_health(backend.id, ok)
-            report.probed += 1
-            if before and not after:
-                report.evicted.append(backend.id)
-                log.warning("backend %s failed its health checks: no more work for it", backend.id)
-            elif after and not before:
-                report.readmitted.append(backend.id)
-                log.info("backend %s answers again: re-admitted", backend.id)
+            oks = list(workers.map(lambda b: _checked(check, b), backends))
+        results += [(backend.id, ok) for backend, ok in zip(backends, oks, strict=True)]
+    for backend_id, ok in sorted(results):
+        before, after = pool.report_health(backend_id, ok)
+        report.probed += 1
+        if before and not after:
+            report.evicted.append(backend_id)
+            log.warning("backend %s failed its health checks: no more work for it", backend_id)
+        elif after and not before:
+            report.readmitted.append(backend_id)
+            log.info("backend %s answers again: re-admitted", backend_id)
     report.counts_fixed = pool.reconcile(is_live)
     if report.counts_fixed:
         log.warning("reconciled %d backend load counts from live jobs", report.counts_fixed)

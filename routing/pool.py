@@ -23,7 +23,8 @@ Redis keys (``{p}`` is the prefix, ``rs:`` by default):
 - ``{p}pool:load`` — hash, backend id → jobs holding it;
 - ``{p}pool:holders`` — hash, job id → ``"{backend_id}|{epoch}"`` while the job holds one;
 - ``{p}pool:backend:{id}`` — hash: ``url``, ``kind``, ``api``, ``model``, ``capacity``,
-  ``tokenizer`` and ``policy_version`` (empty when unset), ``registered_at``, ``draining``
+  ``tokenizer``, ``policy_version`` and ``max_model_len`` (empty when unset or unknown),
+  ``registered_at``, ``draining``
   and ``healthy`` (``0``/``1``), ``failures`` (consecutive failed health checks);
 - ``{p}pool:epoch`` — hash, backend id → registration epoch (changes when an id is removed
   and registered again, so a job that held the old registration never counts against the new);
@@ -35,6 +36,7 @@ cluster). This module depends on redis-py and the wire schemas only.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -45,6 +47,8 @@ from urllib.parse import urlsplit
 import redis
 
 from api.schemas import Backend, BackendSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FAILURE_THRESHOLD = 3
 """Consecutive failed health checks after which a backend is taken out of rotation."""
@@ -70,6 +74,15 @@ class JobEnded(Exception):
     """The job being routed has ended (or its record is gone): it gets no backend."""
 
 
+class MalformedBackendError(ValueError):
+    """A backend's record in Redis cannot be read as a backend (a field missing or of the
+    wrong form)."""
+
+    def __init__(self, backend_id: str, why: str) -> None:
+        super().__init__(f"the record of backend {backend_id!r} is malformed: {why}")
+        self.backend_id = backend_id
+
+
 # Functions every script below starts with. KEYS are unused: ARGV[1] is the key prefix.
 _PRELUDE = """
 local p = ARGV[1]
@@ -77,9 +90,11 @@ local heap, loads, holders, epochs = p .. 'pool:heap', p .. 'pool:load', p .. 'p
   p .. 'pool:epoch'
 local function bkey(id) return p .. 'pool:backend:' .. id end
 -- Put the backend in the heap (scored by its load after one more job) or take it out.
+-- A record without a usable capacity is never assignable.
 local function sync(id)
   local f = redis.call('HMGET', bkey(id), 'capacity', 'draining', 'healthy')
-  if not f[1] or not redis.call('HGET', epochs, id) then
+  local capacity = tonumber(f[1] or '')
+  if not capacity or capacity <= 0 or not redis.call('HGET', epochs, id) then
     redis.call('ZREM', heap, id)
     return
   end
@@ -87,7 +102,7 @@ local function sync(id)
     redis.call('ZREM', heap, id)
   else
     local load = tonumber(redis.call('HGET', loads, id) or '0')
-    redis.call('ZADD', heap, (load + 1) / tonumber(f[1]), id)
+    redis.call('ZADD', heap, (load + 1) / capacity, id)
   end
 end
 -- The backend a hold names, if that registration still exists.
@@ -109,7 +124,8 @@ local function unhold(job, id)
 end
 """
 
-# ARGV: prefix, id, url, kind, api, model, capacity, policy_version, now, tokenizer
+# ARGV: prefix, id, url, kind, api, model, capacity, policy_version, now, tokenizer,
+# max_model_len
 # A new id (or one registered again after removal) starts healthy, not draining, with a
 # fresh epoch and no load; registering an id again keeps its load, state and holders.
 _REGISTER = (
@@ -126,7 +142,8 @@ if not redis.call('HGET', epochs, id) then
   created = 1
 end
 redis.call('HSET', bkey(id), 'url', ARGV[3], 'kind', ARGV[4], 'api', ARGV[5], 'model', ARGV[6],
-           'capacity', ARGV[7], 'policy_version', ARGV[8], 'tokenizer', ARGV[10])
+           'capacity', ARGV[7], 'policy_version', ARGV[8], 'tokenizer', ARGV[10],
+           'max_model_len', ARGV[11])
 sync(id)
 return created
 """
@@ -277,6 +294,9 @@ return fixed
 """
 )
 
+BackendScan = tuple[list[Backend], list[str]]
+"""The readable backends, and the ids of those whose record is malformed."""
+
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 
 
@@ -358,11 +378,12 @@ class BackendPool:
 
     # ------------------------------------------------------------------ registry
 
-    def register(self, spec: BackendSpec) -> Backend:
+    def register(self, spec: BackendSpec, max_model_len: int | None = None) -> Backend:
         """Add a backend, or update one with the same id; returns it as now registered.
 
         The id is ``spec.id``, or derived from the URL. Registering an id again updates its
-        URL, kind, API, model, capacity and policy version and keeps its load, its state
+        URL, kind, API, model, capacity, policy version and context length (`max_model_len`,
+        as the server reported it; None for unknown) and keeps its load, its state
         (draining, dead) and the jobs that hold it.
         """
         backend_id = spec.id or derive_backend_id(spec.url)
@@ -378,6 +399,7 @@ class BackendPool:
                 "" if spec.policy_version is None else str(spec.policy_version),
                 repr(time.time()),
                 spec.tokenizer or "",
+                "" if max_model_len is None else str(int(max_model_len)),
             ],
         )
         backend = self.get(backend_id)
@@ -394,7 +416,9 @@ class BackendPool:
         return bool(int(self._remove(args=[self.prefix, backend_id])))
 
     def get(self, backend_id: str) -> Backend | None:
-        """The backend with this id, its load and state, or None."""
+        """The backend with this id, its load and state, or None.
+
+        Raises MalformedBackendError when its record cannot be read."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hgetall(self.backend_key(backend_id))
         pipe.hget(self.load_key, backend_id)
@@ -409,7 +433,14 @@ class BackendPool:
         return sorted(_text(k) for k in self.client.hkeys(self.epoch_key))
 
     def list(self) -> list[Backend]:
-        """Every registered backend with its load and state, ordered by id."""
+        """Every registered backend with its load and state, ordered by id (a backend whose
+        record is malformed is left out; see `scan`)."""
+        return self.scan()[0]
+
+    def scan(self) -> BackendScan:
+        """Every registered backend with its load and state, ordered by id, and the ids of
+        those whose record is malformed (logged, not raised: one bad record must not hide
+        the others)."""
         ids = self.ids()
         pipe = self.client.pipeline(transaction=True)
         for backend_id in ids:
@@ -417,11 +448,17 @@ class BackendPool:
         pipe.hgetall(self.load_key)
         *rows, loads = pipe.execute()
         load_of = {_text(k): v for k, v in loads.items()}
-        return [
-            self._backend(backend_id, fields, load_of.get(backend_id))
-            for backend_id, fields in zip(ids, rows, strict=True)
-            if fields  # skips one removed between the two reads
-        ]
+        backends: list[Backend] = []
+        malformed: list[str] = []
+        for backend_id, fields in zip(ids, rows, strict=True):
+            if not fields:
+                continue  # removed between the two reads
+            try:
+                backends.append(self._backend(backend_id, fields, load_of.get(backend_id)))
+            except MalformedBackendError as exc:
+                log.warning("%s", exc)
+                malformed.append(backend_id)
+        return backends, malformed
 
     def count(self) -> int:
         """How many backends are registered (whatever their state)."""
@@ -432,8 +469,17 @@ class BackendPool:
         return int(self.client.zcard(self.heap_key))
 
     def _backend(self, backend_id: str, fields: dict[Any, Any], load: Any) -> Backend:
+        try:
+            return self._parse_backend(backend_id, fields, load)
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+            # pydantic's ValidationError is a ValueError
+            why = f"missing field {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+            raise MalformedBackendError(backend_id, why) from None
+
+    def _parse_backend(self, backend_id: str, fields: dict[Any, Any], load: Any) -> Backend:
         data = {_text(k): _text(v) for k, v in fields.items()}
         version = data.get("policy_version", "")
+        context = data.get("max_model_len", "")
         in_flight = int(_text(load)) if load is not None else 0
         if data.get("draining") == "1":
             state = "draining"
@@ -456,6 +502,7 @@ class BackendPool:
                 "idle": in_flight == 0,
                 "failures": int(data.get("failures") or 0),
                 "registered_at": float(data.get("registered_at", 0.0)),
+                "max_model_len": int(context) if context else None,
             }
         )
 

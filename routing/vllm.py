@@ -5,11 +5,14 @@ with the logprob of each: nothing is re-tokenized on the way. `HTTPBackend` is t
 every client shares (`VLLMClient` here, `routing.generate.VLLMGenerateClient` for vLLM's
 `/inference/v1/generate`, `routing.sglang.SGLangClient` for SGLang's native `/generate`):
 connection errors and 5xx answers are retried with capped exponential backoff and jitter
-(tenacity); a 4xx is the caller's mistake and fails at once; a timeout is not retried.
+(tenacity); a 4xx is the caller's mistake and fails at once (one refusing a prompt id outside
+the vocabulary as `OutOfVocabularyError`, whose bound the client remembers); a timeout is not
+retried.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -82,6 +85,64 @@ class BackendError(Exception):
         return self.status is None or self.status >= 500
 
 
+class OutOfVocabularyError(BackendError):
+    """The server refused a prompt holding an id its vocabulary does not define.
+
+    vLLM says `Token id N is out of vocabulary` (the development server adds `(size V)`),
+    SGLang `... contains values greater than the vocab size (V)`. This is what a prompt
+    carrying an id the model generated but its tokenizer lacks gets (a model whose output
+    layer is padded past its tokenizer): the request's fault, not the server's.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        token_id: int | None,
+        vocab_size: int | None,
+        status: int | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message, status=status, url=url)
+        self.token_id = token_id
+        """The refused id the server named, if it named one."""
+        self.vocab_size = vocab_size
+        """The vocabulary size the server named, if it named one."""
+
+    @property
+    def refused_from(self) -> int | None:
+        """The smallest id known to be refused: every id at or above it is outside the
+        vocabulary (the named size, else the named id)."""
+        return self.vocab_size if self.vocab_size is not None else self.token_id
+
+
+_OUT_OF_VOCABULARY = (
+    re.compile(r"[Tt]oken id (?P<id>\d+) is out of vocabulary(?: \(size (?P<size>\d+)\))?"),
+    re.compile(r"greater than the vocab size \((?P<size>\d+)\)"),
+)
+
+
+def out_of_vocabulary(error: BackendError) -> OutOfVocabularyError | None:
+    """`error` as an `OutOfVocabularyError` when it is a 4xx naming an out-of-vocabulary id
+    or the vocabulary size, else None."""
+    if isinstance(error, OutOfVocabularyError):
+        return error
+    if error.status is None or not 400 <= error.status < 500:
+        return None
+    for pattern in _OUT_OF_VOCABULARY:
+        match = pattern.search(error.message)
+        if match is not None:
+            found = match.groupdict()
+            return OutOfVocabularyError(
+                error.message,
+                token_id=int(found["id"]) if found.get("id") else None,
+                vocab_size=int(found["size"]) if found.get("size") else None,
+                status=error.status,
+                url=error.url,
+            )
+    return None
+
+
 def _error_message(response: httpx.Response) -> str:
     # vLLM: {"error": {"message": ...}}; older vLLM: {"message": ...}; FastAPI: {"detail": ...}.
     try:
@@ -137,6 +198,9 @@ class HTTPBackend:
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
         self._max_model_len: int | None = None
         """The server's context length once asked (see `max_model_len`)."""
+        self.refused_from: int | None = None
+        """The smallest id the server is known to refuse in a prompt (every id from it on is
+        outside its vocabulary), learnt from its out-of-vocabulary answers; None until one."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -207,7 +271,23 @@ class HTTPBackend:
         error = BackendError(_error_message(response), status=response.status_code, url=url)
         if error.retryable:
             raise _Retryable(error)
+        refused = out_of_vocabulary(error)
+        if refused is not None:
+            self._learn_refused(refused)
+            raise refused
         raise error
+
+    def _learn_refused(self, error: OutOfVocabularyError) -> None:
+        bound = error.refused_from
+        if bound is not None and (self.refused_from is None or bound < self.refused_from):
+            self.refused_from = bound
+
+    def first_refused(self, ids: list[int]) -> int | None:
+        """The first of `ids` the server is known to refuse in a prompt, if any."""
+        bound = self.refused_from
+        if bound is None:
+            return None
+        return next((i for i in ids if i >= bound), None)
 
     async def _post(
         self, path: str, body: dict[str, Any], *, headers: dict[str, str] | None = None

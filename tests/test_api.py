@@ -232,7 +232,7 @@ def test_backend_that_does_not_answer_is_refused(http: httpx.Client) -> None:
 
 
 def test_backends_register_list_remove(http: httpx.Client) -> None:
-    spec = {"url": "http://gpu-node-5:8000", "model": "qwen", "policy_version": 3}
+    spec = {"url": "http://localhost:8000", "model": "qwen", "policy_version": 3}
     created = http.post("/v1/backends?verify=false", json=spec).json()
     assert created["kind"] == "vllm" and created["policy_version"] == 3
     listed = http.get("/v1/backends").json()
@@ -242,7 +242,7 @@ def test_backends_register_list_remove(http: httpx.Client) -> None:
 
 
 def test_sglang_backends_register_and_api_is_vllm_only(http: httpx.Client) -> None:
-    spec = {"url": "http://gpu-node-5:30000", "model": "qwen", "kind": "sglang", "capacity": 2}
+    spec = {"url": "http://localhost:30000", "model": "qwen", "kind": "sglang", "capacity": 2}
     created = http.post("/v1/backends?verify=false", json=spec).json()
     assert created["kind"] == "sglang" and created["capacity"] == 2.0
     assert created["state"] == "healthy" and created["idle"] is True
@@ -250,7 +250,7 @@ def test_sglang_backends_register_and_api_is_vllm_only(http: httpx.Client) -> No
     assert wrong.status_code == 422 and field_locs(wrong) == ["body.api"]
     bad = http.post("/v1/backends?verify=false", json={**spec, "capacity": 0})
     assert bad.status_code == 422 and field_locs(bad) == ["body.capacity"]
-    vllm = {"url": "http://gpu-node-6:8000", "model": "qwen", "tokenizer": "/models/qwen"}
+    vllm = {"url": "http://localhost:8000", "model": "qwen", "tokenizer": "/models/qwen"}
     refused = http.post("/v1/backends?verify=false", json=vllm)
     assert refused.status_code == 422 and field_locs(refused) == ["body.tokenizer"]
     local = http.post("/v1/backends?verify=false", json={**spec, "tokenizer": "/models/qwen"})
@@ -259,7 +259,7 @@ def test_sglang_backends_register_and_api_is_vllm_only(http: httpx.Client) -> No
 
 def test_drain_and_resume_one_and_all(http: httpx.Client, gateway: str) -> None:
     for name in ("a", "b"):
-        spec = {"url": f"http://gpu-{name}:8000", "model": "qwen", "id": name}
+        spec = {"url": "http://localhost:8000", "model": "qwen", "id": name}
         assert http.post("/v1/backends?verify=false", json=spec).status_code == 201
     drained = http.post("/v1/backends/a/drain").json()
     assert drained["state"] == "draining" and drained["idle"] is True
@@ -285,7 +285,8 @@ def test_drain_and_resume_one_and_all(http: httpx.Client, gateway: str) -> None:
 def test_drain_with_wait_answers_once_idle(http: httpx.Client, redis_client: redis.Redis) -> None:
     from routing.pool import BackendPool
 
-    http.post("/v1/backends?verify=false", json={"url": "http://a:1", "model": "m", "id": "a"})
+    spec = {"url": "http://127.0.0.1:1", "model": "m", "id": "a"}
+    http.post("/v1/backends?verify=false", json=spec)
     pool = BackendPool(redis_client)
     pool.acquire("job-1")
     held = http.post("/v1/backends/a/drain?wait=0.2").json()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -112,6 +113,25 @@ def test_status_without_a_gateway_says_how_to_start_one(
     done = rollserve(["status"], cli_env(tmp_path, tiny_model_dir, free_port()))
     assert done.returncode == 1
     assert "rollserve up" in done.stderr
+
+
+def test_up_says_ready_once_readyz_answers_and_masks_the_redis_password(up: Up) -> None:
+    assert up.proc.stdout is not None
+    fd = up.proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    printed = b""
+
+    def said_ready() -> bool:
+        nonlocal printed
+        with contextlib.suppress(BlockingIOError):
+            printed += os.read(fd, 65536)
+        return b"\nready " in printed
+
+    wait_until(said_ready, 60, "rollserve up to say it is ready")
+    assert httpx.get(f"{up.url}/readyz", timeout=10).status_code == 200
+    password = (up.data_dir / "redis" / "password").read_text().strip()
+    assert password.encode() not in printed
+    assert b"redis        redis://:**@127.0.0.1:" in printed
 
 
 def test_ctrl_c_stops_everything_up_started(up: Up) -> None:

@@ -140,8 +140,16 @@ def test_token_id_prompt_returns_token_ids_and_one_logprob_each(model_server: De
     assert choice["finish_reason"] in ("stop", "length")
 
 
+def tokenizer_logits(logits: Any, tokenizer: Any) -> Any:
+    """`logits` with the ids the tokenizer lacks masked, as the server samples from them (the
+    tiny model's output layer is padded past its tokenizer, like Qwen's)."""
+    masked = logits.float().clone()
+    masked[..., len(tokenizer) :] = float("-inf")
+    return masked
+
+
 def test_model_logprobs_equal_teacher_forced_recomputation(
-    model_server: DevBackend, tiny_model: Any
+    model_server: DevBackend, tiny_model: Any, tiny_tokenizer: Any
 ) -> None:
     import torch
 
@@ -153,7 +161,8 @@ def test_model_logprobs_equal_teacher_forced_recomputation(
     served = body["choices"][0]["logprobs"]["token_logprobs"]
     with torch.inference_mode():
         logits = tiny_model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
-        expected = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor([out]).T)
+        logits = tokenizer_logits(logits, tiny_tokenizer)
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor([out]).T)
     assert len(served) == len(out) == expected.shape[0]
     assert max(abs(a - float(b)) for a, b in zip(served, expected[:, 0], strict=True)) < 1e-4
 
@@ -170,14 +179,15 @@ def test_same_seed_gives_the_same_sample(model_server: DevBackend) -> None:
 
 
 def test_temperature_zero_picks_the_most_likely_id(
-    model_server: DevBackend, tiny_model: Any
+    model_server: DevBackend, tiny_model: Any, tiny_tokenizer: Any
 ) -> None:
     import torch
 
     prompt = chat_ids(model_server, ask("Greedy?"))
     body = complete(model_server, prompt=prompt, max_tokens=1, temperature=0.0, **TOKEN_IO)
     with torch.inference_mode():
-        best = int(torch.argmax(tiny_model(torch.tensor([prompt])).logits[0, -1]))
+        logits = tiny_model(torch.tensor([prompt])).logits[0, -1]
+        best = int(torch.argmax(tokenizer_logits(logits, tiny_tokenizer)))
     assert body["choices"][0]["token_ids"] == [best]
 
 
@@ -215,7 +225,8 @@ def test_script_answers_with_text_then_eos_and_real_logprobs(
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
     with torch.inference_mode():
         logits = tiny_model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
-        expected = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor([out]).T)
+        logits = tokenizer_logits(logits, tiny_tokenizer)
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor([out]).T)
     served = choice["logprobs"]["token_logprobs"]
     assert max(abs(a - float(b)) for a, b in zip(served, expected[:, 0], strict=True)) < 1e-4
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,16 @@ def bwrap_problem() -> str | None:
 needs_bwrap = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
 )
+
+
+@pytest.fixture(autouse=True)
+def repo_roots(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Host repositories are allowed from the temporary directory, where every test here
+    builds them."""
+    monkeypatch.setenv("ROLLSERVE_SWE_REPO_ROOTS", os.path.realpath(tempfile.gettempdir()))
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="module")

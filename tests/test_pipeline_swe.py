@@ -58,6 +58,7 @@ def stack(
         data, tiny_model_dir, script=script, tool_timeout=60.0, reap_interval=1.0,
         sandbox_dir=data / "sandboxes", sandbox_backend="bwrap",
         workers={"init": 2, "run": 2, "eval": 2}, visibility_timeout=80.0, **LIMITS,
+        swe_repo_roots=str(built[1].parent),
     )  # fmt: skip
     yield running
     running.stop()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from routing.vllm import Completion
+from routing.vllm import Completion, OutOfVocabularyError
 from workers.handlers.base import Handler
 from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
@@ -26,6 +26,13 @@ class PolicyClient(Protocol):
     ) -> Completion: ...
 
     async def max_model_len(self) -> int: ...
+
+
+@runtime_checkable
+class KnowsRefusedIds(Protocol):
+    """A policy client that may know which ids its backend refuses in a prompt (optional)."""
+
+    def first_refused(self, ids: list[int]) -> int | None: ...
 
 
 class Templater(Protocol):
@@ -82,8 +89,11 @@ async def run_episode(
     """Run the multi-turn loop until an answer, `max_turns`, the budget or the context ends it.
 
     `stop_reason` says which: `answer` (or the handler's own reason), `finish` (the model
-    called the finish tool), `max_turns`, `token_budget` or `context_length`. A call cut by
-    its per-call `max_tokens` is handed on like any other turn.
+    called the finish tool), `max_turns`, `token_budget`, `context_length` or
+    `invalid_token` (the model generated an id outside the backend's vocabulary, so no later
+    prompt can carry it: known before sending, or told by the backend's refusal of the next
+    prompt; the trajectory keeps the id as returned). A call cut by its per-call
+    `max_tokens` is handed on like any other turn.
     With `tools` declared, the turn's `<tool_call>` blocks are run on `runner` and their
     results appended as tool messages; a malformed call becomes an error message the model
     reads, and is counted. A turn without calls goes to the handler's `step`.
@@ -104,16 +114,23 @@ async def run_episode(
         if room <= 0:
             return Episode(builder, "context_length", truncated=True)
         max_tokens = min(limits.max_tokens, budget_left, room)
+        if turn > 0 and _known_refused(policy, builder):
+            return Episode(builder, "invalid_token", truncated=False)
 
         turn_started = started = time.perf_counter()
-        completion = await policy.complete(
-            builder.sequence,
-            max_tokens=max_tokens,
-            temperature=limits.temperature,
-            top_p=limits.top_p,
-            seed=limits.seed,
-            stop=limits.stop,
-        )
+        try:
+            completion = await policy.complete(
+                builder.sequence,
+                max_tokens=max_tokens,
+                temperature=limits.temperature,
+                top_p=limits.top_p,
+                seed=limits.seed,
+                stop=limits.stop,
+            )
+        except OutOfVocabularyError as exc:
+            if _generated_refused(builder, exc):
+                return Episode(builder, "invalid_token", truncated=False)
+            raise
         llm_seconds = time.perf_counter() - started
         parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
         model_turn = builder.add_model_turn(
@@ -163,6 +180,24 @@ async def run_episode(
         model_turn.turn_seconds = time.perf_counter() - turn_started
         on_turn(builder)
     return Episode(builder, "max_turns", truncated=False)
+
+
+def _generated_ids(builder: TrajectoryBuilder) -> list[int]:
+    return [i for i, mask in zip(builder.response_ids, builder.loss_mask, strict=True) if mask]
+
+
+def _known_refused(policy: PolicyClient, builder: TrajectoryBuilder) -> bool:
+    """Whether the policy knows its backend refuses an id the model generated."""
+    if not isinstance(policy, KnowsRefusedIds):
+        return False
+    return policy.first_refused(_generated_ids(builder)) is not None
+
+
+def _generated_refused(builder: TrajectoryBuilder, exc: OutOfVocabularyError) -> bool:
+    """Whether the backend refused the prompt for an id the model generated (an id the
+    server rendered itself, or none named, is another fault)."""
+    bound = exc.refused_from
+    return bound is not None and any(i >= bound for i in _generated_ids(builder))
 
 
 async def _run_calls(

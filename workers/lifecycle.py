@@ -55,7 +55,14 @@ def dispatcher(rt: Runtime, app: Celery) -> Dispatcher:
     found = _dispatchers.get(pid)
     if found is None or found.store is not rt.store:
         settings = rt.settings
-        found = Dispatcher(rt.store, rt.pool, app, settings.node_name, settings.cancel_grace)
+        found = Dispatcher(
+            rt.store,
+            rt.pool,
+            app,
+            settings.node_name,
+            settings.cancel_grace,
+            settings.broker_send_timeout,
+        )
         found.install()
         _dispatchers.clear()
         _dispatchers[pid] = found
@@ -180,7 +187,7 @@ def rollserve_release(state: Any, job_ids: list[str]) -> dict[str, str]:
         try:
             if rt.job_live(job_id):
                 continue
-            record = rt.store.get(job_id)
+            record = rt.store.get(job_id, task=False)
         except JobNotFound:
             continue
         if record.sandbox is not None and record.sandbox.get("host") == rt.settings.node_name:

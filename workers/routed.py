@@ -8,7 +8,9 @@ is idle as soon as its running requests end. A request lost with its backend (co
 refused or reset, no answer, or a 5xx after the client's own retries) marks that backend dead
 and is re-sent elsewhere: the turn is not lost, its prompt simply prefills on the new backend.
 While no backend takes work (every one draining for a weight update) the job waits between
-turns, up to `backend_wait` seconds.
+turns, up to `backend_wait` seconds. A 4xx is the request's fault and is raised as it is, the
+backend left alone: a prompt refused for an id outside the vocabulary
+(`routing.vllm.OutOfVocabularyError`) ends the episode in the agent loop, not the backend.
 
 The job's liveness is checked before each request and every `poll` seconds while one runs: a
 cancelled job's in-flight request is aborted (its HTTP connection closed, which is how vLLM
@@ -190,6 +192,18 @@ class RoutedPolicy:
             return completion
 
         return await self._with_failover(call)
+
+    def first_refused(self, ids: list[int]) -> int | None:
+        """The first of `ids` the job's backend is known to refuse in a prompt (outside its
+        vocabulary, learnt from an earlier refusal by this worker's client), if any."""
+        if self.backend is None:
+            return None
+        client, _ = self.clients_of(self.backend)
+        first_refused = getattr(client, "first_refused", None)
+        if first_refused is None:
+            return None
+        found: int | None = first_refused(ids)
+        return found
 
     async def max_model_len(self) -> int:
         async def call(_b: Backend, client: Any, _t: ChatTemplater) -> int:

@@ -81,7 +81,7 @@ class Runtime:
     def release_sandbox(self, job_id: str) -> None:
         """Stop the job's sandbox if it has one on this host (the reaper covers other hosts)."""
         try:
-            sandbox = self.store.get(job_id).sandbox
+            sandbox = self.store.get(job_id, task=False).sandbox
         except JobNotFound:
             return
         if sandbox is not None and sandbox.get("host") == self.settings.node_name:

@@ -3,39 +3,117 @@ updates."""
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
 from api.deps import services
+from api.errors import BODY, BY_ID, error_responses
 from api.schemas import Backend, BackendSpec, ResumeRequest
 from api.service import RequestError, Services
+from routing.addresses import BackendAddressError, IPNetwork, check_backend_url
 from routing.pool import BackendPool
 
 router = APIRouter(prefix="/v1/backends", tags=["backends"])
 
 MAX_DRAIN_WAIT = 3600.0
+MODELS_LIMIT = 1024 * 1024
+"""Most bytes of a `GET /v1/models` answer read at registration; a longer one is refused."""
+
+URL_LOC = ["body", "url"]
+UNLIKE_OPENAI = "does not answer like an OpenAI-compatible /v1/models"
 
 
-def check_reachable(spec: BackendSpec, timeout: float = 5.0) -> None:
-    """Ask the server for its models; refuse a backend that does not answer or lacks the model.
+def check_address(spec: BackendSpec, networks: tuple[IPNetwork, ...]) -> None:
+    """Refuse a backend whose host does not resolve, or resolves to an address outside the
+    allowed networks (`ROLLSERVE_BACKEND_NETWORKS`; link-local and cloud metadata addresses
+    only when listed)."""
+    try:
+        check_backend_url(spec.url, networks)
+    except BackendAddressError as exc:
+        raise RequestError(422, str(exc), URL_LOC) from None
 
-    vLLM and SGLang both serve the OpenAI-compatible `GET /v1/models`.
+
+def _fetch_models(url: str, timeout: float) -> bytes:
+    """The body of `GET url`, at most `MODELS_LIMIT` bytes, within about `timeout` seconds
+    in all; a RequestError saying what went wrong, never what the server sent."""
+    deadline = time.monotonic() + timeout
+    where = f"GET {url}"
+    try:
+        with (
+            httpx.Client(timeout=timeout, follow_redirects=False) as client,
+            client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as answer,
+        ):
+            if answer.status_code != 200:
+                raise RequestError(
+                    422, f"{where} answered HTTP {answer.status_code}, not 200", URL_LOC
+                )
+            if answer.headers.get("content-encoding", "identity").lower() != "identity":
+                raise RequestError(
+                    422, f"{where} {UNLIKE_OPENAI}: a compressed body, not asked for", URL_LOC
+                )
+            body = bytearray()
+            for chunk in answer.iter_raw():
+                body += chunk
+                if len(body) > MODELS_LIMIT:
+                    raise RequestError(
+                        422, f"{where} {UNLIKE_OPENAI}: more than {MODELS_LIMIT} bytes", URL_LOC
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer took too long")
+            return bytes(body)
+    except httpx.TimeoutException:
+        raise RequestError(422, f"{where} did not answer within {timeout:g} s", URL_LOC) from None
+    except httpx.TransportError:
+        raise RequestError(
+            422, f"{where} could not be reached (no connection, or it broke)", URL_LOC
+        ) from None
+    except RequestError:
+        raise
+    except Exception:  # httpx.InvalidURL, UnicodeError, ValueError: the URL cannot be requested
+        raise RequestError(422, "the backend URL cannot be requested", URL_LOC) from None
+
+
+def check_reachable(spec: BackendSpec, timeout: float = 5.0) -> int | None:
+    """Ask the server for its models; refuse a backend that does not answer like an
+    OpenAI-compatible `GET /v1/models` (vLLM and SGLang both serve it) or does not serve
+    the model. Returns the model's context length when the answer has it (`max_model_len`
+    on the model's entry, as vLLM and SGLang report it), else None.
+
+    The errors say what is wrong with the answer, never what it held.
     """
     url = spec.url.rstrip("/") + "/v1/models"
+    body = _fetch_models(url, timeout)
+    not_openai = RequestError(
+        422,
+        f'GET {url} {UNLIKE_OPENAI} (a JSON object whose "data" lists models, each with a '
+        'string "id")',
+        URL_LOC,
+    )
     try:
-        answer = httpx.get(url, timeout=timeout)
-        answer.raise_for_status()
-        served = [m.get("id") for m in answer.json().get("data", [])]
-    except (httpx.HTTPError, ValueError) as exc:
+        answer: Any = json.loads(body)
+    except (ValueError, RecursionError):
+        raise not_openai from None
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list) or not all(
+        isinstance(card, dict) and isinstance(card.get("id"), str) for card in cards
+    ):
+        raise not_openai
+    card = next((card for card in cards if card["id"] == spec.model), None)
+    if card is None:
         raise RequestError(
-            422, f"backend {spec.url} did not answer GET /v1/models: {exc}", ["body", "url"]
-        ) from None
-    if served and spec.model not in served:
-        raise RequestError(
-            422, f"backend {spec.url} serves {served}, not {spec.model!r}", ["body", "model"]
+            422,
+            f"the backend does not serve model {spec.model!r} (its GET /v1/models does not "
+            "list it)",
+            ["body", "model"],
         )
+    length = card.get("max_model_len")
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return length
+    return None
 
 
 def wait_until_idle(pool: BackendPool, ids: list[str], wait: float) -> list[Backend]:
@@ -63,10 +141,14 @@ WAIT = Query(
 )
 
 
-@router.post("", status_code=201, response_model=Backend)
+@router.post("", status_code=201, response_model=Backend, responses=BODY)
 def register(
     spec: BackendSpec,
-    verify: bool = Query(True, description="check that the server answers and serves the model"),
+    verify: bool = Query(
+        True,
+        description="check that the server answers and serves the model (the address "
+        "policy applies either way)",
+    ),
     svc: Services = Depends(services),
 ) -> Backend:
     if spec.kind == "sglang" and spec.api != "completions":
@@ -79,9 +161,9 @@ def register(
             "`tokenizer` applies to SGLang only; vLLM renders chat templates through /tokenize",
             ["body", "tokenizer"],
         )
-    if verify:
-        check_reachable(spec)
-    return svc.pool.register(spec)
+    check_address(spec, svc.settings.backend_network_list)
+    max_model_len = check_reachable(spec) if verify else None
+    return svc.pool.register(spec, max_model_len=max_model_len)
 
 
 @router.get("", response_model=list[Backend])
@@ -89,7 +171,7 @@ def list_backends(svc: Services = Depends(services)) -> list[Backend]:
     return svc.pool.list()
 
 
-@router.post("/drain", response_model=list[Backend])
+@router.post("/drain", response_model=list[Backend], responses=error_responses(422))
 def drain_all(wait: float = WAIT, svc: Services = Depends(services)) -> list[Backend]:
     """Assign nothing new to any backend; running requests finish and their jobs wait between
     turns until a backend is resumed. With `wait`, answers once every backend is idle."""
@@ -99,7 +181,7 @@ def drain_all(wait: float = WAIT, svc: Services = Depends(services)) -> list[Bac
     return wait_until_idle(svc.pool, ids, wait)
 
 
-@router.post("/resume", response_model=list[Backend])
+@router.post("/resume", response_model=list[Backend], responses=BODY)
 def resume_all(
     body: ResumeRequest | None = None, svc: Services = Depends(services)
 ) -> list[Backend]:
@@ -110,12 +192,12 @@ def resume_all(
     return svc.pool.list()
 
 
-@router.get("/{backend_id}", response_model=Backend)
+@router.get("/{backend_id}", response_model=Backend, responses=BY_ID)
 def get_backend(backend_id: str, svc: Services = Depends(services)) -> Backend:
     return _known(svc.pool, backend_id)
 
 
-@router.post("/{backend_id}/drain", response_model=Backend)
+@router.post("/{backend_id}/drain", response_model=Backend, responses=BY_ID)
 def drain(backend_id: str, wait: float = WAIT, svc: Services = Depends(services)) -> Backend:
     """Assign nothing new to this backend; its jobs move to others after their running request.
     `idle` in the answer says when its weights can be swapped (with `wait`, once it is)."""
@@ -125,7 +207,7 @@ def drain(backend_id: str, wait: float = WAIT, svc: Services = Depends(services)
     return backends[0] if backends else _known(svc.pool, backend_id)
 
 
-@router.post("/{backend_id}/resume", response_model=Backend)
+@router.post("/{backend_id}/resume", response_model=Backend, responses={**BODY, **BY_ID})
 def resume(
     backend_id: str, body: ResumeRequest | None = None, svc: Services = Depends(services)
 ) -> Backend:
@@ -135,7 +217,7 @@ def resume(
     return _known(svc.pool, backend_id)
 
 
-@router.delete("/{backend_id}", status_code=204)
+@router.delete("/{backend_id}", status_code=204, responses=BY_ID)
 def remove(backend_id: str, svc: Services = Depends(services)) -> Response:
     if not svc.pool.remove(backend_id):
         raise HTTPException(status_code=404, detail=f"no backend with id {backend_id!r}")

@@ -11,30 +11,42 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
 from api import service
-from api.deps import services
+from api.deps import services, tenant
+from api.errors import BATCH_LINKS, BY_ID, SUBMISSION
+from api.ids import BatchId
 from api.schemas import BatchAccepted, BatchProgress, BatchRequest
 from api.service import Services
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
-@router.post("", status_code=202, response_model=BatchAccepted)
-def submit(body: BatchRequest, svc: Services = Depends(services)) -> BatchAccepted:
-    batch_id, jobs = service.submit_batch(svc, body)
+@router.post(
+    "",
+    status_code=202,
+    response_model=BatchAccepted,
+    responses={
+        202: {"description": "Accepted: the batch's jobs are queued.", "links": BATCH_LINKS},
+        **SUBMISSION,
+    },
+)
+def submit(
+    body: BatchRequest, svc: Services = Depends(services), who: str = Depends(tenant)
+) -> BatchAccepted:
+    batch_id, jobs = service.submit_batch(svc, body, who)
     return BatchAccepted(batch_id=batch_id, jobs=jobs)
 
 
-@router.get("/{batch_id}", response_model=BatchProgress)
-def progress(batch_id: str, svc: Services = Depends(services)) -> BatchProgress:
+@router.get("/{batch_id}", response_model=BatchProgress, responses=BY_ID)
+def progress(batch_id: BatchId, svc: Services = Depends(services)) -> BatchProgress:
     return service.batch_progress(svc, batch_id)
 
 
 @router.get(
     "/{batch_id}/results",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-ndjson": {}}}},
+    responses={200: {"content": {"application/x-ndjson": {}}}, **BY_ID},
 )
-def results(batch_id: str, svc: Services = Depends(services)) -> StreamingResponse:
+def results(batch_id: BatchId, svc: Services = Depends(services)) -> StreamingResponse:
     """Finished trajectories as NDJSON, each as soon as it finishes; ends when all have.
 
     For a dynamic batch: the trajectories of each accepted group as it is accepted, exactly
@@ -46,11 +58,15 @@ def results(batch_id: str, svc: Services = Depends(services)) -> StreamingRespon
     )
 
 
-@router.delete("/{batch_id}", response_model=BatchProgress)
+@router.delete("/{batch_id}", response_model=BatchProgress, responses=BY_ID)
 def cancel(
-    batch_id: str,
+    batch_id: BatchId,
     wait: float = Query(
-        30.0, ge=0.0, description="seconds to wait until every cancelled job has stopped"
+        30.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="seconds to wait until every cancelled job has stopped "
+        "(at most ROLLSERVE_MAX_WAIT_SECONDS)",
     ),
     svc: Services = Depends(services),
 ) -> BatchProgress:

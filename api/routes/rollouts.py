@@ -6,7 +6,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
 from api import service
-from api.deps import services
+from api.deps import services, tenant
+from api.errors import BY_ID, ROLLOUT_LINKS, SUBMISSION
+from api.ids import JobId
 from api.schemas import RolloutAccepted, RolloutRequest, Trajectory
 from api.service import Services
 
@@ -17,15 +19,25 @@ router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
     "",
     status_code=202,
     response_model=RolloutAccepted,
-    responses={200: {"model": Trajectory, "description": "finished within `timeout` (wait=true)"}},
+    responses={
+        200: {"model": Trajectory, "description": "finished within `timeout` (wait=true)"},
+        202: {"description": "Accepted: the job is queued.", "links": ROLLOUT_LINKS},
+        **SUBMISSION,
+    },
 )
 def submit(
     body: RolloutRequest,
     wait: bool = Query(False, description="block until the job finishes"),
-    timeout: float = Query(300.0, gt=0, description="seconds to block with wait=true"),
+    timeout: float = Query(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds to block with wait=true (at most ROLLSERVE_MAX_WAIT_SECONDS)",
+    ),
     svc: Services = Depends(services),
+    who: str = Depends(tenant),
 ) -> RolloutAccepted | JSONResponse:
-    job_id = service.submit_rollout(svc, body)
+    job_id = service.submit_rollout(svc, body, who)
     if wait:
         trajectory = service.wait_for_job(svc, job_id, timeout)
         if trajectory.status.terminal:
@@ -33,14 +45,14 @@ def submit(
     return RolloutAccepted(job_id=job_id)
 
 
-@router.get("/{job_id}", response_model=Trajectory)
-def get(job_id: str, svc: Services = Depends(services)) -> Trajectory:
+@router.get("/{job_id}", response_model=Trajectory, responses=BY_ID)
+def get(job_id: JobId, svc: Services = Depends(services)) -> Trajectory:
     """The job's trajectory: final when it has finished, partial while it runs."""
     return svc.store.trajectory(job_id)
 
 
-@router.delete("/{job_id}", response_model=Trajectory)
-def cancel(job_id: str, svc: Services = Depends(services)) -> Trajectory:
+@router.delete("/{job_id}", response_model=Trajectory, responses=BY_ID)
+def cancel(job_id: JobId, svc: Services = Depends(services)) -> Trajectory:
     """Cancel the job (a finished job is left as it is) and return what it has."""
     service.cancel_jobs(svc, [job_id])
     return svc.store.trajectory(job_id)

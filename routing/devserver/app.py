@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -195,6 +196,11 @@ class DevServer:
         temperature = (
             defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
         )
+        if not math.isfinite(temperature):
+            raise RequestError(
+                f"temperature must be a non-negative finite number, got {temperature}.",
+                param="temperature",
+            )
         if temperature < 0:
             raise RequestError(
                 f"temperature must be non-negative, got {temperature}.", param="temperature"
@@ -210,6 +216,12 @@ class DevServer:
             )
         if req.logprobs is not None and req.logprobs < 0:
             raise RequestError("`logprobs` must be a positive value or -1.", param="logprobs")
+        if req.logprobs is not None and req.logprobs > self.engine.vocab_size:
+            raise RequestError(
+                f"Requested sample logprobs of {req.logprobs}, which is greater than the "
+                f"vocabulary size {self.engine.vocab_size}.",
+                param="logprobs",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
             raise RequestError("stop cannot contain an empty string.", param="stop")
@@ -494,7 +506,7 @@ class DevServer:
         if p.n != 1:
             raise RequestError("n > 1 is not supported by the development server.")
         temperature = 1.0 if p.temperature is None else p.temperature
-        if temperature < 0:
+        if not math.isfinite(temperature) or temperature < 0:
             raise RequestError(
                 f"temperature must be a non-negative finite number, got {temperature}."
             )
@@ -504,6 +516,11 @@ class DevServer:
         top_k = -1 if p.top_k is None else p.top_k
         if top_k < 1 and top_k != -1:
             raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+        if req.return_logprob and (req.top_logprobs_num or 0) > self.engine.vocab_size:
+            raise RequestError(
+                f"top_logprobs_num {req.top_logprobs_num} is greater than the vocabulary size "
+                f"{self.engine.vocab_size}."
+            )
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise RequestError(

@@ -6,6 +6,11 @@ the detokenized text, and why generation ended, with vLLM's stopping rules (EOS,
 ids, `max_tokens`, stop strings and `include_stop_str_in_output`). A completion whose plan's
 `cancel` event is set stops before its next token and finishes with `"abort"`.
 
+A model whose output layer is wider than its tokenizer (Qwen pads 151,669 ids to 151,936) never
+generates an id the tokenizer lacks: those logits are set to -inf before anything else, so
+sampling, greedy decoding and every logprob (generated or scored) are those of the
+distribution renormalised over the ids the tokenizer defines.
+
 torch and transformers are imported only when an engine is loaded.
 """
 
@@ -302,7 +307,8 @@ class ModelEngine(Engine):
     def _forward(
         self, ids: list[int], *, keep: int, cache: Any = None, use_cache: bool
     ) -> tuple[Any, Any]:
-        """Logits of the last `keep` positions, and the KV cache to continue from."""
+        """Logits of the last `keep` positions (-inf past the tokenizer's ids), and the KV
+        cache to continue from."""
         torch = self._torch
         kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids]), "use_cache": use_cache}
         if cache is not None:
@@ -311,13 +317,19 @@ class ModelEngine(Engine):
             kwargs["logits_to_keep"] = keep
         out = self.model(**kwargs)
         logits = out.logits[0, -keep:].float()
+        if logits.shape[-1] > self.vocab_size:
+            # Ids past the tokenizer are never sampled, and the logprobs are renormalised over
+            # the others (what a teacher-forced pass with the same mask gives).
+            logits = logits.clone()
+            logits[:, self.vocab_size :] = float("-inf")
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return logits, new_cache
 
     def score(
         self, prompt_ids: list[int], output_ids: list[int], top: int | None
     ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
-        """Raw logprobs of `output_ids` after `prompt_ids`, from one teacher-forced pass."""
+        """Raw logprobs of `output_ids` after `prompt_ids`, from one teacher-forced pass
+        (over the ids the tokenizer defines, as generation samples them)."""
         torch = self._torch
         if not output_ids:
             return [], ([] if top is not None else None)

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from routing.clients import template_tool
 
 NonNegInt = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+"""A sampling seed: a signed 64-bit integer, as vLLM bounds it (400 beyond)."""
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this sample greedily, as in vLLM."""
@@ -39,7 +41,7 @@ class CompletionRequest(_Lenient):
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int = 1
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = Field(default_factory=list)
     stream: bool | None = False
     temperature: float | None = None
@@ -97,7 +99,7 @@ class TokenSamplingParams(_Lenient):
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     top_k: int | None = 0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -138,7 +140,7 @@ class SGLangSamplingParams(_Lenient):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
 
 
 class SGLangGenerateRequest(_Lenient):

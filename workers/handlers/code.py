@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from api.schemas import json_problem
 from broker.settings import get_settings
 from sandbox.backends import get_backend
 from sandbox.base import (
@@ -97,9 +98,13 @@ PROBLEM_FIELDS = ("problem", "question_content", "question", "description", "pro
 """Where the problem statement may be, in order of preference."""
 
 DEFAULT_TIME_LIMIT = 5.0
+MAX_TIME_LIMIT = 3600.0
+"""Longest time limit of one test a task may set, in seconds."""
 DEFAULT_MEMORY_MB = 512
 MIN_MEMORY_MB = 64
 """Less address space than this does not start the interpreter reliably."""
+MAX_MEMORY_MB = 1 << 20
+"""Largest memory limit a task may set (1 TiB)."""
 FLOAT_TOLERANCE = 1e-6
 MAX_UNPACKED = 256 << 20
 """Largest packed LiveCodeBench test data unpacked (a small body could inflate to gigabytes)."""
@@ -169,11 +174,13 @@ def _problem_text(task: dict[str, Any]) -> str:
     return first_text(task, PROBLEM_FIELDS)
 
 
-def _positive_number(value: Any, where: str) -> float:
+def _positive_number(value: Any, where: str, most: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise TaskValidationError(where, "must be a positive number")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise TaskValidationError(where, "must be finite")
+    if not value <= most:  # compared exactly: an int too large for a float is refused here
+        raise TaskValidationError(where, f"must be at most {most:g}")
     return float(value)
 
 
@@ -187,18 +194,25 @@ def _time_limit(task: dict[str, Any]) -> float:
             raise TaskValidationError("time_limit.seconds", "must be a number")
         if isinstance(nanos, bool) or not isinstance(nanos, (int, float)):
             raise TaskValidationError("time_limit.nanos", "must be a number")
+        for part, name in ((seconds, "seconds"), (nanos, "nanos")):
+            if not abs(part) <= MAX_TIME_LIMIT * 1e9:
+                raise TaskValidationError(f"time_limit.{name}", "is out of range")
         total = seconds + nanos / 1e9
         # CodeContests leaves some limits at zero: unknown, so the default applies.
-        return DEFAULT_TIME_LIMIT if total == 0 else _positive_number(total, "time_limit")
-    return _positive_number(value, "time_limit")
+        if total == 0:
+            return DEFAULT_TIME_LIMIT
+        return _positive_number(total, "time_limit", MAX_TIME_LIMIT)
+    return _positive_number(value, "time_limit", MAX_TIME_LIMIT)
 
 
 def _memory_mb(task: dict[str, Any]) -> int:
     if task.get("memory_limit_mb") is not None:
-        megabytes = _positive_number(task["memory_limit_mb"], "memory_limit_mb")
+        megabytes = _positive_number(task["memory_limit_mb"], "memory_limit_mb", MAX_MEMORY_MB)
         where = "memory_limit_mb"
     elif task.get("memory_limit_bytes"):  # CodeContests; 0 means unknown
-        megabytes = _positive_number(task["memory_limit_bytes"], "memory_limit_bytes") / 2**20
+        most = MAX_MEMORY_MB * 2**20
+        megabytes = _positive_number(task["memory_limit_bytes"], "memory_limit_bytes", most)
+        megabytes /= 2**20
         where = "memory_limit_bytes"
     else:
         return DEFAULT_MEMORY_MB
@@ -221,9 +235,20 @@ def _json_field(value: Any, where: str) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
-    except ValueError:
+        return _decoded(json.loads(value), where)
+    except (ValueError, RecursionError):
         raise TaskValidationError(where, "is not valid JSON") from None
+
+
+def _decoded(value: Any, where: str) -> Any:
+    """`value`, decoded from JSON text in the task, when it can be passed on: no lone
+    surrogate (a test's input is written to a file as UTF-8) and no deep nesting."""
+    problem = json_problem(value, allow_nonfinite=True)
+    if problem is not None:
+        path, message = problem
+        inner = "".join(f"[{p!r}]" for p in path)
+        raise TaskValidationError(where, f"decodes to JSON that {message} (at {inner or 'top'})")
+    return value
 
 
 def _task_fn_name(task: dict[str, Any]) -> str | None:
@@ -268,8 +293,9 @@ def _lcb_call(fn_name: str, text: Any, output: Any, where: str) -> CallTest:
         raise TaskValidationError(f"{where}.input", "must be a string")
     try:
         args = [json.loads(line) for line in text.split("\n") if line.strip()]
-    except ValueError:
+    except (ValueError, RecursionError):
         raise TaskValidationError(f"{where}.input", "each line must be a JSON value") from None
+    _decoded(args, f"{where}.input")
     expected = _json_field(output, f"{where}.output")
     return CallTest(fn_name, args, [expected])
 
@@ -371,8 +397,9 @@ def _lcb_cases(value: Any, where: str) -> list[Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = _unpack_lcb(value, where)
+        _decoded(value, where)
     if not isinstance(value, list):
         raise TaskValidationError(where, "must be a list of test cases")
     return value

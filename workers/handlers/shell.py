@@ -1,11 +1,14 @@
 """`shell` tasks: an instruction carried out with tools in a sandbox, graded by a check command.
 
 A task: `{"data_source": "shell", "instruction": "...", "check": "bash that exits 0 when done",
-"files": {"/workspace/path": "content", ...}, "network": false}`.
+"files": {"/workspace/path": "content", ...}, "network": false, "timeout": 60}`. `files` are
+written into the sandbox before the episode (paths are normalised and must stay inside
+`/workspace`); `timeout` is the check's time limit in seconds.
 """
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any, ClassVar
 
 from sandbox.base import SandboxSpec
@@ -17,6 +20,74 @@ SYSTEM = (
     "Use the tools to carry out the task, then call finish."
 )
 REMINDER = "Call a tool to work on the task, or call finish when it is done."
+
+WORKSPACE = "/workspace"
+DEFAULT_TIMEOUT = 60.0
+MAX_TIMEOUT = 3600.0
+"""Longest `timeout` a task may give its check, in seconds."""
+MAX_NAME_BYTES = 255
+"""Longest file name (one path component) a file system takes."""
+MAX_PATH_BYTES = 4095
+"""Longest path a file system call takes."""
+
+
+def workspace_path(raw: Any, where: str) -> str:
+    """`raw` as a normalised absolute path inside /workspace, or a `TaskValidationError`."""
+    if not isinstance(raw, str):
+        raise TaskValidationError(where, "must map paths (strings) to text")
+    if "\x00" in raw:
+        raise TaskValidationError(where, f"path {raw!r} holds a NUL character")
+    path = posixpath.normpath(raw)
+    if path.startswith("//"):  # normpath keeps a leading double slash
+        path = "/" + path.lstrip("/")
+    if not raw.startswith("/") or not path.startswith(WORKSPACE + "/"):
+        raise TaskValidationError(
+            where, f"path {raw!r} is not inside {WORKSPACE}/ (as {path!r}, once normalised)"
+        )
+    if len(path.encode()) > MAX_PATH_BYTES or any(
+        len(part.encode()) > MAX_NAME_BYTES for part in path.split("/")
+    ):
+        raise TaskValidationError(where, f"path {raw!r} is too long for a file system")
+    return path
+
+
+def task_files(task: dict[str, Any]) -> dict[str, str]:
+    """The task's `files` by their normalised paths; a `TaskValidationError` for a path
+    outside /workspace, two paths naming one file, or a file where another needs a directory."""
+    files = task.get("files")
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise TaskValidationError("files", "must map paths under /workspace/ to text")
+    found: dict[str, str] = {}
+    for raw, content in files.items():
+        path = workspace_path(raw, "files")
+        if not isinstance(content, str):
+            raise TaskValidationError("files", f"the content of {raw!r} must be text")
+        if path in found:
+            raise TaskValidationError("files", f"path {raw!r} names a file given twice")
+        found[path] = content
+    for path in found:
+        parent = posixpath.dirname(path)
+        while parent != WORKSPACE:
+            if parent in found:
+                raise TaskValidationError(
+                    "files", f"{parent!r} is a file, so it cannot hold {path!r}"
+                )
+            parent = posixpath.dirname(parent)
+    return found
+
+
+def check_timeout(task: dict[str, Any]) -> float:
+    """The check's time limit: the task's `timeout` in seconds, or the default."""
+    value = task.get("timeout")
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TaskValidationError("timeout", "must be a number of seconds")
+    if not 0 < value <= MAX_TIMEOUT:  # exact for any int; false for NaN
+        raise TaskValidationError("timeout", f"must be more than 0 and at most {MAX_TIMEOUT:g}")
+    return float(value)
 
 
 class ShellHandler(Handler):
@@ -31,20 +102,16 @@ class ShellHandler(Handler):
             value = task.get(key)
             if not isinstance(value, str) or not value.strip():
                 raise TaskValidationError(key, "must be a non-empty string")
-        files = task.get("files", {})
-        if not isinstance(files, dict) or not all(
-            isinstance(k, str) and k.startswith("/workspace/") and isinstance(v, str)
-            for k, v in files.items()
-        ):
-            raise TaskValidationError("files", "must map paths under /workspace/ to text")
+        task_files(task)
         if not isinstance(task.get("network", False), bool):
             raise TaskValidationError("network", "must be true or false")
+        check_timeout(task)
 
     def sandbox_spec(self, task: dict[str, Any], job_id: str) -> SandboxSpec:
         return SandboxSpec(job_id=job_id, network=bool(task.get("network", False)))
 
     def prepare(self, task: dict[str, Any], tools: ToolSession) -> None:
-        for path, content in task.get("files", {}).items():
+        for path, content in task_files(task).items():
             tools.call("editor", command="create", path=path, file_text=content)
 
     def initial_messages(self, task: dict[str, Any]) -> list[dict[str, Any]]:
@@ -68,7 +135,7 @@ class ShellHandler(Handler):
     ) -> Grade:
         if tools is None:
             raise RuntimeError("a shell task is graded in its sandbox, and it has none")
-        result = tools.call("bash", command=task["check"], timeout=float(task.get("timeout", 60)))
+        result = tools.call("bash", command=task["check"], timeout=check_timeout(task))
         passed = result.get("exit_code") == 0
         return Grade(
             reward=1.0 if passed else 0.0,

@@ -25,12 +25,20 @@ and grading functions, as its harness does (see `evaluate`).
 
 The agent can read the repository it is cloned from (`/rollserve/source`), so a repository
 given as `repo_path` should hold no commit past `base_commit`.
+
+Host repositories come only from the directories the operator names in
+`ROLLSERVE_SWE_REPO_ROOTS` (none by default: such tasks are refused until it is set). A
+`repo_path` is resolved (symlinks, `..`) before it is checked, at submission and again on
+the worker, which binds the resolved path; below its root no component may be hidden (start
+with `.`), and nothing is taken from `REFUSED_TREES` or the service's data and sandbox
+directories, whatever the roots say.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import importlib
 import json
 import os
@@ -44,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from api.schemas import json_problem
 from broker.settings import get_settings
 from sandbox.backends import get_backend
 from sandbox.base import DEFAULT_PATH, WORKSPACE_INSIDE, Bind, ExecResult, Sandbox, SandboxSpec
@@ -110,8 +119,21 @@ REMINDER = (
     "(bash, editor, ipython), and call finish once the issue is resolved."
 )
 
+REFUSED_TREES = ("/proc", "/sys", "/dev", "/etc", "/boot", "/run", "/var/run")
+"""Host trees no repository is taken from, whatever `ROLLSERVE_SWE_REPO_ROOTS` says."""
+
 _COMMIT = re.compile(r"[0-9a-fA-F]{7,40}")
+MAX_TIMEOUT = 3600.0
+"""Longest `timeout` a task may give, in seconds."""
 _EVAL_TYPES = ("pass_and_fail", "fail_only")
+
+
+@functools.cache
+def _parser_names() -> frozenset[str]:
+    """The names in swebench's `PARSER_REGISTRY` (imported once, on first need: ~1 s)."""
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+
+    return frozenset(PARSER_REGISTRY)
 
 
 class SweEnvironmentError(RuntimeError):
@@ -155,10 +177,12 @@ def _test_list(task: dict[str, Any], key: str, *, non_empty: bool) -> list[str]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise TaskValidationError(key, f"is a string but not JSON: {exc}") from None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise TaskValidationError(key, "must be a list of test names (or a JSON string of one)")
+    if json_problem(value) is not None:
+        raise TaskValidationError(key, "holds a test name that is not valid Unicode text")
     if non_empty and not value:
         raise TaskValidationError(key, "must name at least one test")
     return list(value)
@@ -171,6 +195,34 @@ def _absolute_path(environment: dict[str, Any], key: str) -> str | None:
     if not isinstance(value, str) or not os.path.isabs(value):
         raise TaskValidationError(f"environment.{key}", "must be an absolute path")
     return value
+
+
+def allowed_repo_path(repo_path: Path | str) -> Path:
+    """The real path of a host repository (symlinks and `..` resolved) when the policy
+    allows it (see the module docstring); a `TaskValidationError` naming
+    `environment.repo_path` otherwise. The message never shows where a symlink leads."""
+    settings = get_settings()
+    roots = settings.swe_repo_root_list
+    name = "environment.repo_path"
+    if not roots:
+        raise TaskValidationError(
+            name,
+            "names a host repository, and none is allowed: set ROLLSERVE_SWE_REPO_ROOTS (on "
+            "the gateway and the workers) to the directories repositories may come from",
+        )
+    real = Path(os.path.realpath(repo_path))
+    root = next((r for r in roots if real.is_relative_to(r)), None)
+    if root is None:
+        raise TaskValidationError(
+            name, "is not under a directory ROLLSERVE_SWE_REPO_ROOTS allows (once resolved)"
+        )
+    if any(part.startswith(".") for part in real.relative_to(root).parts):
+        raise TaskValidationError(name, "is in a hidden directory (a name starting with .)")
+    service_dirs = (settings.data_dir, settings.sandbox_dir)
+    for tree in (*REFUSED_TREES, *(os.path.realpath(d) for d in service_dirs)):
+        if real.is_relative_to(os.path.realpath(tree)):
+            raise TaskValidationError(name, f"is in {tree}, which no repository is taken from")
+    return real
 
 
 def read_task(task: dict[str, Any]) -> SweTask:
@@ -200,6 +252,13 @@ def read_task(task: dict[str, Any]) -> SweTask:
     image = environment.get("image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
         raise TaskValidationError("environment.image", "must be a non-empty string")
+    if image is not None and (
+        image.startswith("instance://")
+        or not (os.path.isabs(image) or re.match(r"[a-z][a-z0-9+.-]*://.", image))
+    ):
+        raise TaskValidationError(
+            "environment.image", "must be an absolute path or an image URI (docker://...)"
+        )
     repo_path = _absolute_path(environment, "repo_path")
     if image is None and repo_path is None:
         raise TaskValidationError(
@@ -215,9 +274,13 @@ def read_task(task: dict[str, Any]) -> SweTask:
         not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
     ):
         raise TaskValidationError("timeout", "must be a positive number of seconds")
+    if timeout is not None and not timeout <= MAX_TIMEOUT:
+        raise TaskValidationError("timeout", f"must be at most {MAX_TIMEOUT:g} seconds")
     log_parser = task.get("log_parser") or "parse_log_pytest"
     if not isinstance(log_parser, str) or not log_parser.startswith("parse_log_"):
         raise TaskValidationError("log_parser", "must name a swebench log parser (parse_log_*)")
+    if log_parser != "parse_log_pytest" and log_parser not in _parser_names():
+        raise TaskValidationError("log_parser", f"swebench has no parser {log_parser!r}")
     eval_type = task.get("eval_type") or None
     if eval_type is not None and eval_type not in _EVAL_TYPES:
         raise TaskValidationError("eval_type", f"must be one of {', '.join(_EVAL_TYPES)}")
@@ -253,7 +316,10 @@ def box_spec(task: SweTask, job_id: str, *, lease_seconds: float = 3600.0) -> Sa
     """
     binds = []
     if task.host_repo is not None:
-        repo = task.host_repo
+        try:
+            repo = allowed_repo_path(task.host_repo)
+        except TaskValidationError as exc:
+            raise SweEnvironmentError(f"{exc.field} {exc.message}") from None
         if not ((repo / ".git").exists() or (repo / "HEAD").is_file()):
             raise SweEnvironmentError(f"environment.repo_path {repo} is not a git repository here")
         binds.append(Bind(repo, SOURCE_INSIDE))
@@ -613,7 +679,9 @@ class SweHandler(Handler):
     grades_in_sandbox: ClassVar[bool] = False
 
     def validate(self, task: dict[str, Any]) -> None:
-        read_task(task)
+        parsed = read_task(task)
+        if parsed.host_repo is not None:
+            allowed_repo_path(parsed.host_repo)
 
     def warm_up(self) -> None:
         """Import swebench's harness (about two seconds) before the pool forks."""
