@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import redis
@@ -15,6 +14,7 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.deps import tenant_of
 from api.errors import error_responses, http_error, json_safe, validation_error
 from api.routes import backends, batches, rollouts, system
 from api.service import RequestError, Services
@@ -113,11 +113,9 @@ _bearer = HTTPBearer(auto_error=False)
 def require_token(
     request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> None:
-    """With ROLLSERVE_API_TOKEN set, every /v1 call must carry it as a bearer token."""
-    expected = request.app.state.services.settings.api_token
-    if not expected:
-        return
-    if credentials is None or not secrets.compare_digest(credentials.credentials, expected):
+    """With ROLLSERVE_API_TOKEN (or ROLLSERVE_TENANT_TOKENS) set, every /v1 call must carry one
+    of the tokens as a bearer token."""
+    if tenant_of(request.app.state.services.settings, credentials) is None:
         raise HTTPException(
             status_code=401,
             detail="missing or wrong bearer token (Authorization: Bearer <ROLLSERVE_API_TOKEN>)",
@@ -149,7 +147,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     )
     app.state.services = services or build_services(settings)
     # The bearer scheme (and its 401) is in the OpenAPI only when a token is configured.
-    token = app.state.services.settings.api_token
+    token = bool(app.state.services.settings.tokens())
     auth = [Depends(require_token)] if token else []
     v1 = error_responses(*((401, 503) if token else (503,)))
     app.include_router(rollouts.router, dependencies=auth, responses=v1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
+import secrets
 
 from fastapi import Request
+from fastapi.security import HTTPAuthorizationCredentials
 
 from api.service import Services
+from broker.settings import Settings
 
 
 def services(request: Request) -> Services:
@@ -15,13 +17,30 @@ def services(request: Request) -> Services:
     return svc
 
 
+def tenant_of(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    """The tenant a request's bearer token names, `anonymous` when no token is configured, or
+    None for a missing or wrong token. Every configured token is compared in constant time."""
+    tokens = settings.tokens()
+    if not tokens:
+        return "anonymous"
+    if credentials is None:
+        return None
+    given = credentials.credentials.encode()
+    found = None
+    for token, name in tokens.items():
+        if secrets.compare_digest(given, token.encode()):
+            found = name
+    return found
+
+
 def tenant(request: Request) -> str:
-    """Who submits: with `ROLLSERVE_API_TOKEN` set, a name derived from the (checked) bearer
-    token, never the token itself; without it everyone is `anonymous`, so no client escapes
-    the quota by inventing tokens. Quotas of unfinished jobs are kept per tenant."""
-    if not services(request).settings.api_token:
-        return "anonymous"
+    """Who submits, for the quota of unfinished jobs: the tenant of the checked bearer token
+    (`default` for ROLLSERVE_API_TOKEN), or `anonymous` without configured tokens, so no
+    client escapes the quota by inventing tokens."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return "anonymous"
-    return "token-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    credentials = (
+        HTTPAuthorizationCredentials(scheme=scheme, credentials=token.strip())
+        if scheme.lower() == "bearer" and token.strip()
+        else None
+    )
+    return tenant_of(services(request).settings, credentials) or "anonymous"

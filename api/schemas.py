@@ -43,6 +43,8 @@ MAX_SEED = 2**63 - 1
 MAX_TOKENS = 1 << 20
 """Schema bound of `max_tokens` and `max_total_tokens`; the backends' context length is
 usually a tighter one."""
+MAX_POLICY_VERSION = 2**63 - 1
+"""Largest policy version: a signed 64-bit integer, as trainers count steps."""
 MAX_TASK_DEPTH = 64
 """Deepest nesting of lists and objects inside a task."""
 
@@ -103,9 +105,9 @@ class Task(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    data_source: Text = Field(min_length=1)
+    data_source: Text = Field(min_length=1, max_length=256)
     """Handler name: `math`, `stem`, or a plugin's."""
-    instance_id: Text | None = None
+    instance_id: Text | None = Field(default=None, max_length=4096)
     """The task's own id; one is made up from its content when absent."""
 
 
@@ -196,11 +198,11 @@ class BackendSpec(BaseModel):
     host (a DNS name or an IP address, in ASCII), an optional port and path; no credentials,
     query or fragment."""
     kind: Literal["vllm", "sglang"] = "vllm"
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1, max_length=1024)
     """Model name the server serves (its `--served-model-name`)."""
     id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
     """Stable id; derived from the URL when absent."""
-    policy_version: int | None = None
+    policy_version: int | None = Field(default=None, ge=0, le=MAX_POLICY_VERSION)
     """Version of the weights this server holds; copied into trajectories."""
     api: Literal["completions", "generate"] = "completions"
     """vLLM only: `completions` speaks `/v1/completions` (token ids in, `return_token_ids`),
@@ -209,7 +211,7 @@ class BackendSpec(BaseModel):
     capacity: float = Field(default=1.0, gt=0.0, le=1e6)
     """Relative capacity (e.g. GPUs or batch slots): a backend with capacity 2 is assigned
     twice the jobs of one with capacity 1 before it counts as equally loaded."""
-    tokenizer: str | None = Field(default=None, min_length=1, max_length=1024)
+    tokenizer: Text | None = Field(default=None, min_length=1, max_length=1024)
     """SGLang only: the Hugging Face tokenizer (a path on the workers, or a hub name they can
     load) that renders chat templates, since SGLang's `/tokenize` cannot; `model` when
     absent. vLLM renders through its own `/tokenize`."""
@@ -286,7 +288,7 @@ class ResumeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    policy_version: int | None = None
+    policy_version: int | None = Field(default=None, ge=0, le=MAX_POLICY_VERSION)
     """The version of the weights the backend now holds; every later turn records it."""
 
 

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 class Settings(BaseSettings):
     """rollserve configuration, read from ``ROLLSERVE_*`` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="ROLLSERVE_", extra="ignore")
+    # Errors never echo values: tokens and URLs with passwords are among them.
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLSERVE_", extra="ignore", hide_input_in_errors=True
+    )
 
     redis_url: str | None = None
     """Redis for the broker and the job store. Unset: an embedded Redis is started."""
@@ -40,6 +43,10 @@ class Settings(BaseSettings):
     """Port the gateway binds."""
     api_token: str | None = None
     """When set, every /v1 request needs `Authorization: Bearer <token>`."""
+    tenant_tokens: str | None = None
+    """More bearer tokens, one per tenant: `name:token,name:token`. Each tenant has its own
+    quota of unfinished jobs (`ROLLSERVE_MAX_QUEUED_JOBS`); `ROLLSERVE_API_TOKEN` is the
+    tenant `default`. Any of them opens every /v1 route."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body the gateway accepts (413 beyond)."""
     max_wait_seconds: float = 600.0
@@ -159,8 +166,27 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @field_validator("tenant_tokens")
+    @classmethod
+    def _check_tenant_tokens(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_tenant_tokens(value)
+        return value
+
+    def tokens(self) -> dict[str, str]:
+        """Every accepted bearer token with its tenant's name (empty: no auth)."""
+        tokens = parse_tenant_tokens(self.tenant_tokens or "")
+        if self.api_token:
+            tokens[self.api_token] = "default"
+        return tokens
+
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
+        if self.tenant_tokens and not self.api_token:
+            raise ValueError(
+                "ROLLSERVE_TENANT_TOKENS needs ROLLSERVE_API_TOKEN too: it is the operator's "
+                "token, which the local stack and Flower use"
+            )
         for stage in ("init", "run", "eval"):
             soft = getattr(self, f"{stage}_soft_time_limit")
             hard = getattr(self, f"{stage}_time_limit")
@@ -216,6 +242,23 @@ def _split_roots(value: str | None) -> list[str]:
     if not value:
         return []
     return [part.strip() for part in re.split(f"[,{re.escape(os.pathsep)}]", value) if part.strip()]
+
+
+def parse_tenant_tokens(text: str) -> dict[str, str]:
+    """`name:token,name:token` as {token: name}; a ValueError naming what is malformed."""
+    tokens: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, token = item.partition(":")
+        name, token = name.strip(), token.strip()
+        if not sep or not token or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ValueError(
+                "ROLLSERVE_TENANT_TOKENS must be `name:token,...` with names of letters, digits, "
+                "`_`, `.` or `-` (the token is not shown)"
+            )
+        if token in tokens:
+            raise ValueError(f"ROLLSERVE_TENANT_TOKENS gives tenant {name!r} a token in use")
+        tokens[token] = name
+    return tokens
 
 
 @lru_cache(maxsize=1)

@@ -316,3 +316,25 @@ def test_openapi_documents_every_error_status(redis_url: str) -> None:
         assert "GetRollout" in submit["202"]["links"]
         secured = "securitySchemes" in schema.get("components", {})
         assert secured == (token is not None)
+
+
+BACKEND_FIELDS = [
+    ("policy version past 64 bits", "/v1/backends?verify=false",
+     '{"url": "http://127.0.0.1:9", "model": "m", "policy_version": 100000000000000000000000}',
+     "body.policy_version"),
+    ("negative policy version on resume", "/v1/backends/resume",
+     '{"policy_version": -1}', "body.policy_version"),
+    ("model with a lone surrogate", "/v1/backends?verify=false",
+     '{"url": "http://127.0.0.1:9", "model": "\\ud800"}', "body.model"),
+    ("data_source past 256 characters", "/v1/rollouts",
+     json.dumps({"task": {**GOOD_TASK, "data_source": "m" * 300}}), "body.task.data_source"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "raw", "loc"), BACKEND_FIELDS, ids=[c[0] for c in BACKEND_FIELDS]
+)
+def test_backend_records_and_names_are_bounded(
+    http: httpx.Client, redis_client: redis.Redis, case: str, path: str, raw: str, loc: str
+) -> None:
+    refused(http, redis_client, path, raw, loc)

@@ -219,21 +219,47 @@ def _tenant_names(store: Any) -> list[str]:
 
 
 def test_tenants_are_counted_apart_and_tokens_never_stored(redis_url: str) -> None:
-    app = make_gateway(redis_url, max_queued_jobs=2, api_token=TOKEN)
+    other = "tenant-b-token"
+    app = make_gateway(
+        redis_url, max_queued_jobs=2, api_token=TOKEN, tenant_tokens=f"team-b:{other}"
+    )
+    store = app.state.services.store
     r = redis.Redis.from_url(redis_url)
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         register_backend_with(client, TOKEN)
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        assert (
-            client.post("/v1/batches", json={"tasks": [TASK] * 2}, headers=auth).status_code == 202
-        )
-        assert client.post("/v1/rollouts", json={"task": TASK}, headers=auth).status_code == 429
+        mine = {"Authorization": f"Bearer {TOKEN}"}
+        theirs = {"Authorization": f"Bearer {other}"}
+        wrong = {"Authorization": "Bearer not-a-token"}
+        two = {"tasks": [TASK] * 2}
+        assert client.post("/v1/batches", json=two, headers=mine).status_code == 202
+        assert client.post("/v1/rollouts", json={"task": TASK}, headers=mine).status_code == 429
+        # Another tenant's quota is its own; a wrong token is no tenant at all.
+        assert client.post("/v1/batches", json=two, headers=theirs).status_code == 202
+        assert client.post("/v1/rollouts", json={"task": TASK}, headers=theirs).status_code == 429
+        assert client.post("/v1/rollouts", json={"task": TASK}, headers=wrong).status_code == 401
+        assert client.post("/v1/rollouts", json={"task": TASK}).status_code == 401
+        assert store.unfinished("default") == 2 and store.unfinished("team-b") == 2
+        keys = r.keys("*")
         everything = b" ".join(
-            [k for k in r.keys("*")]
-            + [v for k in r.keys("*") for v in _values(r, k) if isinstance(v, bytes)]
+            keys + [v for k in keys for v in _values(r, k) if isinstance(v, bytes)]
         )
-        assert TOKEN.encode() not in everything
+        assert TOKEN.encode() not in everything and other.encode() not in everything
     r.close()
+
+
+def test_tenant_tokens_are_checked_when_settings_load() -> None:
+    for bad in ("no-colon", "bad name:tok", "a:", "a:t,b:t"):
+        with pytest.raises(ValueError) as caught:
+            Settings(api_token="x", tenant_tokens=bad)
+        assert "ROLLSERVE_TENANT_TOKENS" in str(caught.value)
+        assert ":t" not in str(caught.value).replace("`name:token", "")
+    with pytest.raises(ValueError, match="needs ROLLSERVE_API_TOKEN"):
+        Settings(tenant_tokens="a:t")
+    assert Settings(api_token="x", tenant_tokens=" a:t1 , b:t2 ").tokens() == {
+        "t1": "a",
+        "t2": "b",
+        "x": "default",
+    }
 
 
 def register_backend_with(client: httpx.Client, token: str) -> None:
