@@ -20,7 +20,7 @@ from api.routes import backends, batches, rollouts, system
 from api.service import RequestError, Services
 from broker.celery_app import create_celery
 from broker.jobstore import JobNotFound, JobStore
-from broker.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 from routing.pool import BackendPool
 
 

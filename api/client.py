@@ -7,7 +7,7 @@
         for trajectory in client.iter_batch_results(batch.batch_id):
             ...  # trajectory.response_ids, .loss_mask, .logprobs, .reward
 
-Every answer is parsed into the models of `api.schemas`. Every failure, an HTTP error status
+Every answer is parsed into the models of `core.schemas`. Every failure, an HTTP error status
 or an unreachable gateway, is raised as `RolloutServiceError`.
 """
 
@@ -23,7 +23,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from api.schemas import (
+from core.schemas import (
     AgentParams,
     Backend,
     BatchAccepted,
@@ -43,7 +43,7 @@ SamplingLike = Mapping[str, Any] | SamplingParams | None
 AgentLike = Mapping[str, Any] | AgentParams | None
 TaskLike = Mapping[str, Any] | Task
 DynamicLike = Mapping[str, Any] | BaseModel | None
-"""`dynamic_sampling` of a batch: `{"target_groups", ...}` or `api.schemas.DynamicSampling`."""
+"""`dynamic_sampling` of a batch: `{"target_groups", ...}` or `core.schemas.DynamicSampling`."""
 
 
 class RolloutServiceError(RuntimeError):

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from api.service import Services
-from broker.settings import Settings
+from core.settings import Settings
 
 
 def services(request: Request) -> Services:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from api.schemas import ErrorBody
+from core.schemas import ErrorBody
 
 MAX_ECHO_CHARS = 1000
 """Longest string echoed back in an error; longer ones are cut."""

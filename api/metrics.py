@@ -9,9 +9,9 @@ from threading import Lock
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from api.schemas import STAGES, Stats
 from api.service import Services
 from broker.celery_app import QUEUES
+from core.schemas import STAGES, Stats
 
 
 def queue_depths(svc: Services) -> dict[str, int]:

@@ -13,7 +13,10 @@ from typing import Any
 
 from celery import Celery
 
-from api.schemas import (
+from broker.dapo import submit_dynamic
+from broker.dispatch import Dispatcher, DispatchError
+from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
+from core.schemas import (
     MAX_SEED,
     AgentParams,
     BatchProgress,
@@ -24,10 +27,7 @@ from api.schemas import (
     Trajectory,
     json_problem,
 )
-from broker.dapo import submit_dynamic
-from broker.dispatch import Dispatcher, DispatchError
-from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
-from broker.settings import Settings
+from core.settings import Settings
 from routing.pool import BackendPool
 from workers.handlers.base import TaskValidationError
 from workers.handlers.registry import UnknownDataSource, get_handler, known_handlers

@@ -10,7 +10,7 @@ import redis
 from celery import Celery, chain
 
 from broker.celery_app import create_celery
-from broker.settings import Settings
+from core.settings import Settings
 
 app: Celery = create_celery(
     Settings(), os.environ.get("FLOOR_REDIS_URL", "redis://127.0.0.1:6379/0")

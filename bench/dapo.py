@@ -52,7 +52,7 @@ import redis
 
 from api.client import RolloutClient
 from broker.processes import free_port
-from broker.settings import Settings
+from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from routing.devserver.tiny import make_tiny_model
 

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 
 from api.client import RolloutClient
-from api.schemas import JobStatus, Trajectory
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, spawn, stop_group
-from broker.settings import Settings
+from core.schemas import JobStatus, Trajectory
+from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from routing.devserver.tiny import make_tiny_model
 

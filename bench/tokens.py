@@ -79,8 +79,8 @@ from typing import Any
 
 import httpx
 
-from api.schemas import EnvTurn, ModelTurn
 from broker.processes import free_port, spawn, stop_group
+from core.schemas import EnvTurn, ModelTurn
 from routing.chat import ChatTemplater
 from routing.devserver.protocol import tool_for_template
 from routing.devserver.tiny import build_qwen_tokenizer, make_tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import Celery, Signature, chain
 from kombu import Producer, Queue
 
-from broker.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 
 QUEUES = ("init", "run", "eval")
 TASK_NAMES = {stage: f"rollserve.{stage}" for stage in QUEUES}

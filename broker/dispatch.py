@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from celery import Celery
 from kombu.exceptions import LimitExceeded
 
-from api.schemas import JobStatus, StageError
 from broker.celery_app import send_job
 from broker.jobstore import (
     FinishOutcome,
@@ -35,6 +34,7 @@ from broker.jobstore import (
     JobStore,
     stage_task_ids,
 )
+from core.schemas import JobStatus, StageError
 from routing.pool import BackendPool
 from sandbox.keeper import release
 

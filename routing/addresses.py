@@ -26,8 +26,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+from core.settings import IPAddress, IPNetwork
 
 SPECIAL_NETWORKS: tuple[IPNetwork, ...] = (
     ipaddress.ip_network("169.254.0.0/16"),
@@ -41,27 +40,6 @@ SPECIAL_NETWORKS: tuple[IPNetwork, ...] = (
 
 class BackendAddressError(ValueError):
     """A backend's host does not resolve, or resolves to an address the policy refuses."""
-
-
-def parse_networks(text: str | None) -> tuple[IPNetwork, ...]:
-    """The networks of a comma-separated CIDR list (empty for None or blank text).
-
-    Raises ValueError naming the first entry that is not a network.
-    """
-    if text is None:
-        return ()
-    networks: list[IPNetwork] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        try:
-            networks.append(ipaddress.ip_network(item, strict=False))
-        except ValueError:
-            raise ValueError(
-                f"{item!r} is not a network in CIDR notation (e.g. 10.0.0.0/8 or fd00::/8)"
-            ) from None
-    return tuple(networks)
 
 
 def _plain(address: IPAddress) -> IPAddress:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 
-from api.schemas import Backend
+from core.schemas import Backend
 from routing.pool import BackendPool
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from api.schemas import Backend, BackendSpec
+from core.schemas import Backend, BackendSpec
 
 log = logging.getLogger(__name__)
 

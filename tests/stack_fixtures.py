@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.processes import free_port
-from broker.settings import Settings
+from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 
 # Short limits so a killed worker's job is redelivered within the test's patience.

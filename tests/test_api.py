@@ -11,7 +11,7 @@ import redis
 
 from api.app import create_app
 from broker.processes import free_port
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 
 GOOD_TASK = {"data_source": "math", "problem": "What is 2+2?", "answer": "4"}

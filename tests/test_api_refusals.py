@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from api.app import create_app
-from api.schemas import MAX_SEED, MAX_TASK_DEPTH, MAX_TOKENS
-from broker.settings import Settings
+from core.schemas import MAX_SEED, MAX_TASK_DEPTH, MAX_TOKENS
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 from tests.test_api import GOOD_TASK, field_locs, snapshot
 

@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from api.app import create_app
-from api.schemas import BackendSpec
 from broker.processes import free_port
-from broker.settings import Settings
+from core.schemas import BackendSpec
+from core.settings import Settings
 from routing.health import sweep
 from routing.pool import BackendPool
 from tests.gateway_fixtures import serve

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from api.schemas import ModelTurn
 from bench import tokens as bt
+from core.schemas import ModelTurn
 
 if TYPE_CHECKING:
     from tests.devserver_fixtures import DevBackend

@@ -27,7 +27,7 @@ from api.client import (
     RolloutServiceError,
     render_detail,
 )
-from api.schemas import (
+from core.schemas import (
     Backend,
     BackendSpec,
     BatchAccepted,

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from api.app import create_app
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 from tests.test_api import field_locs, snapshot
 
@@ -152,7 +152,7 @@ def test_cancelling_a_dynamic_batch_stops_drawing_and_ends_its_stream(
 
 def test_the_client_sends_dynamic_sampling(http: httpx.Client, with_backend: None) -> None:
     from api.client import RolloutClient
-    from api.schemas import DynamicSampling
+    from core.schemas import DynamicSampling
 
     with RolloutClient(str(http.base_url)) as client:
         accepted = client.submit_batch(

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from api.schemas import JobStatus
 from broker.celery_app import create_celery
 from broker.dapo import attempt_samplings
 from broker.dispatch import TARGET_TOKEN, Dispatcher
 from broker.jobstore import DynamicOptions, JobStore, PoolTask
-from broker.settings import Settings
+from core.schemas import JobStatus
+from core.settings import Settings
 from routing.pool import BackendPool
 
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import redis
 
-from api.schemas import JobStatus
 from broker.celery_app import create_celery
 from broker.jobstore import JobSpec, JobStore
-from broker.settings import Settings
+from core.schemas import JobStatus
+from core.settings import Settings
 from routing.pool import BackendPool
 from sandbox.base import process_start_time
 from workers import lifecycle

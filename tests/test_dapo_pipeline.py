@@ -23,8 +23,8 @@ import pytest
 import redis
 
 from api.client import RolloutClient
-from api.schemas import BatchProgress, JobStatus, Trajectory
 from broker.celery_app import create_celery
+from core.schemas import BatchProgress, JobStatus, Trajectory
 from deploy.stack import Stack
 from routing.pool import BackendPool
 from tests.stack_fixtures import start_stack, wait_until

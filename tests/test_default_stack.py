@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from api.client import RolloutClient
-from api.schemas import Backend, BackendSpec, JobStatus, ModelTurn, Trajectory
+from core.schemas import Backend, BackendSpec, JobStatus, ModelTurn, Trajectory
 from routing.chat import ChatTemplater
 from routing.generate import VLLMGenerateClient
 from routing.pool import BackendPool

@@ -26,7 +26,7 @@ import pytest
 
 from api.app import create_app
 from broker.processes import free_port
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 
 ST = Path(sys.executable).with_name("st")

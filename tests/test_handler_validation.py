@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from api.errors import json_safe
-from api.schemas import json_problem
+from core.schemas import json_problem
 from workers.handlers.base import TaskValidationError
 from workers.handlers.code import MAX_MEMORY_MB, MAX_TIME_LIMIT, read_task
 from workers.handlers.shell import MAX_TIMEOUT, ShellHandler, check_timeout, task_files

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from broker.settings import get_settings
+from core.settings import get_settings
 from sandbox.base import remove_tree
 from sandbox.bwrap import BubblewrapBackend
 from sandbox.keeper import launch, release

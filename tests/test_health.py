@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from api.schemas import BackendSpec
 from broker.processes import free_port
+from core.schemas import BackendSpec
 from routing.health import sweep, take_turn
 from routing.pool import BackendPool
 

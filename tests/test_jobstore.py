@@ -8,8 +8,8 @@ import time
 import pytest
 import redis
 
-from api.schemas import JobStatus, StageError, Trajectory
 from broker.jobstore import JobNotFound, JobSpec, JobStore
+from core.schemas import JobStatus, StageError, Trajectory
 
 
 def make_specs(n_tasks: int, group_size: int, batch_id: str | None = "b1") -> list[JobSpec]:

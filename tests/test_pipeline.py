@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from api.client import RolloutClient
-from api.schemas import JobStatus, Trajectory
+from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from tests.stack_fixtures import start_stack, wait_until
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from api.client import RolloutClient
-from api.schemas import JobStatus
+from core.schemas import JobStatus
 from deploy.stack import Stack
 from sandbox.bwrap import BubblewrapBackend
 from tests.stack_fixtures import start_stack

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from api.client import RolloutClient
-from api.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
 from deploy.stack import Stack
 from tests.stack_fixtures import start_stack
 

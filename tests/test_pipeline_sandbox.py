@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from api.client import RolloutClient
-from api.schemas import JobStatus, Trajectory
+from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from tests.stack_fixtures import start_stack, wait_until
 from tests.test_demo import processes_mentioning

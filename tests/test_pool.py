@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from api.schemas import BackendSpec
+from core.schemas import BackendSpec
 from routing.pool import (
     DEFAULT_FAILURE_THRESHOLD,
     BackendPool,

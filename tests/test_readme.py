@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker.settings import Settings
+from core.settings import Settings
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -14,7 +14,7 @@ import pytest
 
 from api.app import create_app
 from broker.processes import spawn, stop_group
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 from tests.stack_fixtures import wait_until
 

@@ -9,15 +9,8 @@ import pydantic
 import pytest
 import redis
 
-from broker.embedded import (
-    CONFIG_FILE,
-    PASSWORD_FILE,
-    EmbeddedRedis,
-    maxmemory_bytes,
-    redact_url,
-    total_memory,
-)
-from broker.settings import Settings
+from broker.embedded import CONFIG_FILE, PASSWORD_FILE, EmbeddedRedis, redact_url
+from core.settings import Settings, maxmemory_bytes, total_memory
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from api.schemas import Backend, BackendSpec
+from core.schemas import Backend, BackendSpec
 from routing.chat import ChatTemplater
 from routing.pool import BackendPool, NoHealthyBackendError
 from routing.vllm import BackendError, Completion

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from api.client import RolloutClient
-from api.schemas import Backend, JobStatus, ModelTurn, Trajectory
 from broker.processes import stop_group
+from core.schemas import Backend, JobStatus, ModelTurn, Trajectory
 from deploy.stack import Stack
 from tests.devserver_fixtures import DevBackend, start_devservers
 from tests.stack_fixtures import start_stack, wait_until

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from broker.processes import free_port
-from broker.settings import Settings
+from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from tests.test_demo import processes_mentioning
 

@@ -14,7 +14,7 @@ import redis
 from api.app import create_app
 from broker.embedded import EmbeddedRedis
 from broker.jobstore import JobStore
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 from tests.test_api import GOOD_TASK, snapshot
 

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from rich.console import Console
 
 from api.client import RolloutClient, RolloutServiceError
-from api.schemas import (
+from core.schemas import (
     Backend,
     BatchAccepted,
     BatchProgress,

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from api.app import create_app
-from broker.settings import Settings
+from core.settings import Settings
 from tests.gateway_fixtures import serve
 
 TASK = {"data_source": "math", "problem": "What is 2+2?", "answer": "4"}

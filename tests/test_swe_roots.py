@@ -15,7 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from api.app import create_app
-from broker.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 from tests.gateway_fixtures import serve
 from tests.test_api import field_locs, snapshot
 from workers.handlers.base import TaskValidationError

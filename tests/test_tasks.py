@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from broker.celery_app import create_celery, worker_queues
-from broker.settings import Settings
+from core.settings import Settings
 from workers.tasks import consumes_eval
 
 

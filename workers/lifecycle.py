@@ -32,9 +32,9 @@ from celery import Celery, Task
 from celery.signals import task_revoked
 from celery.worker.control import control_command
 
-from api.schemas import JobStatus
 from broker.dispatch import RELEASE_COMMAND, Dispatcher
 from broker.jobstore import JobNotFound, job_of_task
+from core.schemas import JobStatus
 from sandbox.base import process_matches, process_start_time
 from sandbox.reaper import reap
 from workers.runtime import Runtime, get_runtime

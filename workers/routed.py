@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from api.schemas import Backend
+from core.schemas import Backend
 from routing.chat import ChatTemplater
 from routing.pool import BackendPool, JobEnded, NoHealthyBackendError
 from routing.vllm import BackendError, Completion

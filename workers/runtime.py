@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from api.schemas import Backend, JobStatus, StageError
 from broker.jobstore import JobNotFound, JobStore
-from broker.settings import Settings, get_settings
+from core.schemas import Backend, JobStatus, StageError
+from core.settings import Settings, get_settings
 from routing.chat import ChatTemplater
 from routing.clients import InferenceClient, make_client
 from routing.pool import BackendPool

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api.schemas import TERMINAL_STATUSES, JobStatus, Trajectory
 from broker.jobstore import JobRecord
+from core.schemas import TERMINAL_STATUSES, JobStatus, Trajectory
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode

@@ -14,9 +14,9 @@ from celery import Task, shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_ready
 
-from api.schemas import JobStatus, StageError
 from broker.celery_app import node_queue
 from broker.jobstore import JobNotFound
+from core.schemas import JobStatus, StageError
 from routing.health import sweep, take_turn
 from sandbox.reaper import reap
 from workers import stages

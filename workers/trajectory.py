@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.schemas import EnvTurn, ModelTurn, Trajectory
+from core.schemas import EnvTurn, ModelTurn, Trajectory
 
 
 class TrajectoryBuilder:

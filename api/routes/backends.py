@@ -12,9 +12,10 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
 from api.deps import services
 from api.errors import BODY, BY_ID, error_responses
-from api.schemas import Backend, BackendSpec, ResumeRequest
 from api.service import RequestError, Services
-from routing.addresses import BackendAddressError, IPNetwork, check_backend_url
+from core.schemas import Backend, BackendSpec, ResumeRequest
+from core.settings import IPNetwork
+from routing.addresses import BackendAddressError, check_backend_url
 from routing.pool import BackendPool
 
 router = APIRouter(prefix="/v1/backends", tags=["backends"])

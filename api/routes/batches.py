@@ -14,8 +14,8 @@ from api import service
 from api.deps import services, tenant
 from api.errors import BATCH_LINKS, BY_ID, SUBMISSION
 from api.ids import BatchId
-from api.schemas import BatchAccepted, BatchProgress, BatchRequest
 from api.service import Services
+from core.schemas import BatchAccepted, BatchProgress, BatchRequest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 

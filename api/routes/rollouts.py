@@ -9,8 +9,8 @@ from api import service
 from api.deps import services, tenant
 from api.errors import BY_ID, ROLLOUT_LINKS, SUBMISSION
 from api.ids import JobId
-from api.schemas import RolloutAccepted, RolloutRequest, Trajectory
 from api.service import Services
+from core.schemas import RolloutAccepted, RolloutRequest, Trajectory
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
 

@@ -9,8 +9,8 @@ from redis.exceptions import RedisError
 from api.deps import services
 from api.metrics import collect_stats, registry_for
 from api.readiness import ReadinessProbe
-from api.schemas import Health, Readiness, Stats
 from api.service import Services
+from core.schemas import Health, Readiness, Stats
 
 open_router = APIRouter(tags=["system"])
 v1_router = APIRouter(prefix="/v1", tags=["system"])

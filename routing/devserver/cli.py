@@ -46,7 +46,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _default_model_dir() -> Path:
-    from broker.settings import get_settings
+    from core.settings import get_settings
 
     return Path(get_settings().tiny_model_dir)
 
@@ -61,7 +61,7 @@ def _quiet_transformers() -> None:
 def _keep_torch_caches_local() -> None:
     # Importing torch's compiler creates $TMPDIR/torchinductor_$USER; unless told otherwise,
     # keep that with rollserve's other working files.
-    from broker.settings import get_settings
+    from core.settings import get_settings
 
     cache = Path(get_settings().data_dir) / "torchinductor"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache.resolve()))

@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from api.schemas import json_problem
-from broker.settings import get_settings
+from core.schemas import json_problem
+from core.settings import get_settings
 from sandbox.backends import get_backend
 from sandbox.base import (
     Limits,

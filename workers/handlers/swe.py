@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from api.schemas import json_problem
-from broker.settings import get_settings
+from core.schemas import json_problem
+from core.settings import get_settings
 from sandbox.backends import get_backend
 from sandbox.base import DEFAULT_PATH, WORKSPACE_INSIDE, Bind, ExecResult, Sandbox, SandboxSpec
 from sandbox.reaper import reap

@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-if TYPE_CHECKING:
-    from routing.addresses import IPNetwork
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str | None) -> tuple[IPNetwork, ...]:
+    """The networks of a comma-separated CIDR list (empty for None or blank text).
+
+    Raises ValueError naming the first entry that is not a network.
+    """
+    if text is None:
+        return ()
+    networks: list[IPNetwork] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(
+                f"{item!r} is not a network in CIDR notation (e.g. 10.0.0.0/8 or fd00::/8)"
+            ) from None
+    return tuple(networks)
 
 
 class Settings(BaseSettings):
@@ -141,16 +162,12 @@ class Settings(BaseSettings):
     @field_validator("redis_maxmemory")
     @classmethod
     def _check_maxmemory(cls, value: str) -> str:
-        from broker.embedded import maxmemory_bytes
-
         maxmemory_bytes(value)  # raises ValueError naming the accepted forms
         return value
 
     @field_validator("backend_networks")
     @classmethod
     def _check_backend_networks(cls, value: str | None) -> str | None:
-        from routing.addresses import parse_networks
-
         parse_networks(value)  # raises ValueError naming the entry that is not a network
         return value
 
@@ -217,8 +234,6 @@ class Settings(BaseSettings):
     @property
     def backend_network_list(self) -> tuple[IPNetwork, ...]:
         """`backend_networks` parsed (empty when unset)."""
-        from routing.addresses import parse_networks
-
         return parse_networks(self.backend_networks)
 
     @property
@@ -259,6 +274,38 @@ def parse_tenant_tokens(text: str) -> dict[str, str]:
             raise ValueError(f"ROLLSERVE_TENANT_TOKENS gives tenant {name!r} a token in use")
         tokens[token] = name
     return tokens
+
+
+_MEMORY_RE = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*(%|b|k|kb|m|mb|g|gb|t|tb)?\s*")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1024,
+    "m": 1000**2, "mb": 1024**2,
+    "g": 1000**3, "gb": 1024**3,
+    "t": 1000**4, "tb": 1024**4,
+}  # fmt: skip
+
+
+def total_memory() -> int:
+    """Bytes of physical memory on this machine."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def maxmemory_bytes(value: str) -> int:
+    """A memory cap as Redis spells it (`4gb`, `512mb`, `1000000`) or a share of this
+    machine's RAM (`25%`), in bytes; `0` means no cap."""
+    match = _MEMORY_RE.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            f"{value!r} is not a memory size: use a number of bytes with an optional unit "
+            "(b, kb, mb, gb, tb; k, m, g, t for powers of 1000) or a share of RAM such as 25%"
+        )
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if unit == "%":
+        if number > 100:
+            raise ValueError(f"{value!r}: a share of RAM cannot exceed 100%")
+        return int(total_memory() * number / 100)
+    return int(number * _UNITS[unit])
 
 
 @lru_cache(maxsize=1)
