@@ -1,7 +1,7 @@
 """The shapes of job and batch ids, checked before an id becomes part of a Redis key.
 
 The service makes every id itself: a batch id is a uuid4 in hex; a job id is a uuid4 in hex,
-or `{batch id}-{group}-{sample}` for the jobs a dynamic batch draws (see `broker/jobstore.py`).
+or `{batch id}-{group}-{sample}` for the jobs a dynamic batch draws (see `broker/jobstore/`).
 An id of any other shape names nothing, so it is answered 404 before it reaches the store:
 spliced into a key, `x:jobs` would address another record's key (Redis: WRONGTYPE). The
 shapes are in the OpenAPI document as the parameters' `pattern`.

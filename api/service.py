@@ -13,8 +13,6 @@ from typing import Any
 
 from celery import Celery
 
-from broker.dapo import submit_dynamic
-from broker.dispatch import Dispatcher, DispatchError
 from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
 from core.schemas import (
     MAX_SEED,
@@ -29,6 +27,8 @@ from core.schemas import (
 )
 from core.settings import Settings
 from routing.pool import BackendPool
+from workers.dapo import submit_dynamic
+from workers.dispatch import Dispatcher, DispatchError
 from workers.handlers.base import TaskValidationError
 from workers.handlers.registry import UnknownDataSource, get_handler, known_handlers
 
@@ -64,7 +64,7 @@ class Services:
             self.settings.node_name,
             self.settings.cancel_grace,
             self.settings.broker_send_timeout,
-        ).install()
+        )
 
 
 def instance_id_of(task: Task) -> str:

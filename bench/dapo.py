@@ -26,12 +26,16 @@ settled time (what waiting for whole rounds leaves idle).
 
     .venv/bin/python bench/dapo.py [--quick]
 
-The last line printed is one JSON object with every figure and the conditions.
+The last line printed is one JSON object with every figure and the conditions. A baseline
+mode, (a) or (b), that fails is recorded as `{"failed": "..."}` (its batches are cancelled,
+ratios against it are null) and not run again; (c) is still run and reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -44,13 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# bench/routing.py, beside this script, would shadow the `routing` package: the repository's
-# own packages come first.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a script, this directory would come first on sys.path, and bench/routing.py beside
+# this script would shadow the `routing` package: the repository comes first instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from api.client import RolloutClient
+from api.client import RolloutClient, RolloutServiceError
+from bench.support.report import print_json, run_baseline
 from broker.processes import free_port
 from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
@@ -117,6 +124,8 @@ class Run:
     groups_drawn: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     service: list[dict[str, Any]] = field(default_factory=list)
+    batch_ids: list[str] = field(default_factory=list)
+    """Every batch submitted, so that a failed run's can be cancelled."""
 
     @property
     def to_target(self) -> float:
@@ -163,6 +172,7 @@ def round_synchronous_step(
         round_tasks = pool[cursor : cursor + inflight]
         cursor += len(round_tasks)
         batch = client.submit_batch([t.task for t in round_tasks], GROUP, sampling=SAMPLING)
+        run.batch_ids.append(batch.batch_id)
         for traj in client.iter_batch_results(batch.batch_id):  # the whole round
             groups.setdefault(traj.group_id, []).append(traj.job_id)
             rewards.setdefault(traj.group_id, []).append(traj.reward)
@@ -201,6 +211,7 @@ def dynamic_step(
             "early_cancel": run.mode == "c",
         },
     )
+    run.batch_ids.append(batch.batch_id)
     counts: dict[str, int] = {}
     for traj in client.iter_batch_results(batch.batch_id):
         counts[traj.group_id] = counts.get(traj.group_id, 0) + 1
@@ -250,17 +261,16 @@ def settle_dynamic(
 
 
 def run_mode(
-    mode: str,
+    run: Run,
     client: RolloutClient,
     r: redis.Redis,
     pools: list[list[PoolTask]],
     target: int,
     inflight: int,
 ) -> Run:
-    """A training loop of one step per pool: each step needs K informative groups."""
-    run = Run(mode, [])
+    """A training loop of `run.mode`, one step per pool: each step needs K informative groups."""
     started = time.perf_counter()
-    if mode == "a":
+    if run.mode == "a":
         for pool in pools:
             round_synchronous_step(client, r, pool, target, inflight, run)
     else:
@@ -268,6 +278,13 @@ def run_mode(
         settle_dynamic(client, r, batch_ids, target, run)
     run.settled = time.perf_counter() - started
     return run
+
+
+def cancel_batches(client: RolloutClient, batch_ids: list[str]) -> None:
+    """Cancel what still runs of `batch_ids` (after a failed run), so it loads no later mode."""
+    for batch_id in batch_ids:
+        with contextlib.suppress(RolloutServiceError):
+            client.cancel_batch(batch_id)
 
 
 def start(work: Path, model: Path, script: list[dict[str, Any]], run_workers: int) -> Stack:
@@ -287,10 +304,10 @@ def warm_up(client: RolloutClient, jobs: int) -> None:
     list(client.iter_batch_results(batch.batch_id))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short loop (about a minute)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pool_size, target, inflight = (32, 8, 4) if args.quick else (64, 16, 4)
     steps, repeats = (2, 1) if args.quick else (2, 2)
     informative = 0.35
@@ -300,6 +317,12 @@ def main() -> int:
     ]
     run_workers = inflight * GROUP
     runs: dict[str, list[Run]] = {"a": [], "b": [], "c": []}
+    failed: dict[str, dict[str, str]] = {}  # baseline modes that failed (not run again)
+    names = {
+        "a": "(a) round-synchronous",
+        "b": "(b) async refill, no cancel",
+        "c": "(c) refill + early cancel",
+    }
 
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
         work = Path(tmp)
@@ -314,7 +337,16 @@ def main() -> int:
             for rep, pools in enumerate(loops):
                 # every mode runs its whole loop alone; the order turns with each repetition
                 for mode in ("a", "b", "c") if rep % 2 == 0 else ("c", "b", "a"):
-                    runs[mode].append(run_mode(mode, client, r, pools, target, inflight))
+                    if mode in failed:
+                        continue
+                    run = Run(mode, [])
+                    measure = functools.partial(run_mode, run, client, r, pools, target, inflight)
+                    outcome = measure() if mode == "c" else run_baseline(names[mode], measure)
+                    if isinstance(outcome, Run):
+                        runs[mode].append(outcome)
+                    else:
+                        failed[mode] = outcome
+                        cancel_batches(client, run.batch_ids)
 
     def med(mode: str, value: str) -> float:
         getters = {
@@ -330,11 +362,6 @@ def main() -> int:
         }
         return float(statistics.median(getters[value](o) for o in runs[mode]))
 
-    names = {
-        "a": "(a) round-synchronous",
-        "b": "(b) async refill, no cancel",
-        "c": "(c) refill + early cancel",
-    }
     print(
         f"{steps} training steps of K = {target} informative groups of {GROUP}, "
         f"{inflight} groups in flight, {run_workers} run processes; median of {repeats} loop(s)"
@@ -344,27 +371,37 @@ def main() -> int:
         f"{'wasted':>8}{'filtered':>10}{'groups':>8}{'fleet busy':>12}"
     )
     for mode, name in names.items():
+        if mode in failed:
+            print(f"{name:<30}  {failed[mode]['failed']}")
+            continue
         print(
             f"{name:<30}{med(mode, 'to_target'):>15.1f}s{med(mode, 'step'):>9.2f}s"
             f"{med(mode, 'settled'):>8.1f}s{med(mode, 'total'):>11.1f}"
             f"{100 * med(mode, 'wasted_share'):>7.1f}%{100 * med(mode, 'filtered_share'):>9.1f}%"
             f"{med(mode, 'drawn'):>8.0f}{100 * med(mode, 'busy'):>11.0f}%"
         )
-    ratios = {
-        mode: {
+    ratios: dict[str, dict[str, float | None]] = {}
+    for mode in ("b", "c"):
+        if "a" in failed or mode in failed:  # no ratio against a failed baseline
+            ratios[mode] = {"to_target_speedup_vs_a": None, "wasted_seconds_vs_a": None}
+            continue
+        ratios[mode] = {
             "to_target_speedup_vs_a": round(med("a", "to_target") / med(mode, "to_target"), 2),
             "wasted_seconds_vs_a": round(med(mode, "wasted") / med("a", "wasted"), 2)
             if med("a", "wasted")
             else None,
         }
-        for mode in ("b", "c")
-    }
-    print(
-        f"time to K against (a): (b) {ratios['b']['to_target_speedup_vs_a']}x faster, "
-        f"(c) {ratios['c']['to_target_speedup_vs_a']}x faster"
-    )
+
+    def speedup(mode: str) -> str:
+        value = ratios[mode]["to_target_speedup_vs_a"]
+        return "n/a" if value is None else f"{value}x faster"
+
+    print(f"time to K against (a): (b) {speedup('b')}, (c) {speedup('c')}")
     results: dict[str, Any] = {"bench": "dapo", "quick": args.quick}
     for mode in names:
+        if mode in failed:
+            results[mode] = failed[mode]
+            continue
         results[mode] = {
             "to_target_all_steps_s_median": round(med(mode, "to_target"), 2),
             "to_target_per_step_s_median": round(med(mode, "step"), 2),
@@ -400,7 +437,7 @@ def main() -> int:
         "workers": {"init": 2, "run": run_workers, "eval": 2},
         "cores": os.cpu_count(),
     }
-    print(json.dumps(results))
+    print_json(results)
     return 0
 
 

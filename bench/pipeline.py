@@ -10,7 +10,8 @@ inference, which is what more of them should overlap.
 
     .venv/bin/python bench/pipeline.py [--quick]
 
-The last line printed is one JSON object with every figure and the conditions.
+The last line printed is one JSON object with every figure and the conditions. If the Celery
+baseline fails, its figure is `{"failed": "..."}` and the ratio against it null.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-# bench/routing.py, beside this script, would shadow the `routing` package: the repository's
-# own packages come first.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a script, this directory would come first on sys.path, and bench/routing.py beside
+# this script would shadow the `routing` package: the repository comes first instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
 from api.client import RolloutClient
+from bench.support.report import print_json, run_baseline
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, spawn, stop_group
 from core.schemas import JobStatus, Trajectory
@@ -40,7 +44,7 @@ from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from routing.devserver.tiny import make_tiny_model
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 TASK = {"data_source": "math", "problem": "BENCH: What is 2+2?", "answer": "4"}
 TRUE_CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "true"}}\n</tool_call>'
 FINISH_CALL = '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>'
@@ -119,8 +123,9 @@ def measure_turn_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
 def measure_celery_floor(work: Path, runs: int) -> float:
     """p50 seconds of a bare 3-hop Celery chain with the same settings and worker flags."""
     with EmbeddedRedis(work / "floor-redis") as server:
-        env = dict(os.environ, FLOOR_REDIS_URL=server.url, PYTHONPATH=str(HERE))
-        argv = [sys.executable, "-m", "celery", "-A", "celery_floor", "worker", "-P", "prefork"]
+        env = dict(os.environ, FLOOR_REDIS_URL=server.url, PYTHONPATH=str(REPO))
+        argv = [sys.executable, "-m", "celery", "-A", "bench.support.celery_floor", "worker"]
+        argv += ["-P", "prefork"]
         argv += ["-c", "1", "-E", "--without-gossip", "--without-mingle", "--loglevel", "WARNING"]
         workers = [
             spawn(
@@ -132,7 +137,8 @@ def measure_celery_floor(work: Path, runs: int) -> float:
         ]
         try:
             os.environ["FLOOR_REDIS_URL"] = server.url
-            import celery_floor  # beside this script, so on sys.path when it runs
+            # Imported only now: the module's Celery app reads FLOOR_REDIS_URL when imported.
+            from bench.support import celery_floor
 
             client = redis.Redis.from_url(server.url)
             deadline = time.monotonic() + 60
@@ -157,10 +163,10 @@ def measure_throughput(client: RolloutClient, jobs: int, workers: int) -> float:
     return jobs / elapsed
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer jobs (under about a minute)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     overhead_jobs = 40 if args.quick else 200
     batch_jobs = 24 if args.quick else 96
     delay = 0.1
@@ -169,7 +175,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
         work = Path(tmp)
         model = make_tiny_model(work / "tiny-qwen3")
-        floor = measure_celery_floor(work, overhead_jobs)
+        floor = run_baseline("celery floor", lambda: measure_celery_floor(work, overhead_jobs))
         with start(work, model, 1, 0.0) as stack, RolloutClient(stack.gateway_url) as client:
             results.update(measure_overhead(client, overhead_jobs))
             results.update(measure_turn_overhead(client, 5 if args.quick else 25))
@@ -181,8 +187,12 @@ def main() -> int:
             ):
                 rates[workers] = measure_throughput(client, batch_jobs, workers)
 
-    results["celery_3hop_floor_p50_ms"] = 1000 * floor
-    results["overhead_vs_celery_floor"] = round(results["overhead_p50_ms"] / (1000 * floor), 2)
+    if isinstance(floor, float):
+        results["celery_3hop_floor_p50_ms"] = 1000 * floor
+        results["overhead_vs_celery_floor"] = round(results["overhead_p50_ms"] / (1000 * floor), 2)
+    else:
+        results["celery_3hop_floor_p50_ms"] = floor
+        results["overhead_vs_celery_floor"] = None
     results["throughput_jobs_per_s"] = {str(k): round(v, 2) for k, v in rates.items()}
     results["scaling_2_vs_1"] = round(rates[2] / rates[1], 2)
     results["scaling_4_vs_1"] = round(rates[4] / rates[1], 2)
@@ -201,15 +211,18 @@ def main() -> int:
     print(f"{'submit→completed p50 (ms)':<36}{results['total_p50_ms']:>12.1f}")
     print(f"{'per tool turn overhead p50 (ms)':<36}{results['turn_overhead_p50_ms']:>12.2f}")
     print(f"{'per tool turn overhead p99 (ms)':<36}{results['turn_overhead_p99_ms']:>12.2f}")
-    print(f"{'bare Celery 3-hop chain p50 (ms)':<36}{results['celery_3hop_floor_p50_ms']:>12.1f}")
-    print(f"{'overhead / Celery floor':<36}{results['overhead_vs_celery_floor']:>12.2f}")
+    if isinstance(floor, float):
+        print(f"{'bare Celery 3-hop chain p50 (ms)':<36}{1000 * floor:>12.1f}")
+        print(f"{'overhead / Celery floor':<36}{results['overhead_vs_celery_floor']:>12.2f}")
+    else:
+        print(f"{'bare Celery 3-hop chain p50 (ms)':<36}  {floor['failed']}")
     for workers, rate in rates.items():
         print(f"{f'jobs/s, {workers} run worker(s), {delay}s backend':<36}{rate:>12.2f}")
     print(
         f"{'scaling 2 vs 1 / 4 vs 1':<36}"
         f"{results['scaling_2_vs_1']:>6} /{results['scaling_4_vs_1']:>5}"
     )
-    print(json.dumps(results))
+    print_json(results)
     return 0
 
 

@@ -68,7 +68,9 @@ the uncached prompt tokens computed.
     .venv/bin/python bench/routing.py [--quick] [--json PATH] [--seed N] [...]
 
 `--quick` runs 4 backends (one big), 64 slots and 300 jobs: a second or so instead of ~10 s.
-The last line printed is one JSON object with every figure and the parameters.
+The last line printed is one JSON object with every figure and the parameters. A baseline
+policy that fails is recorded as `{"failed": "..."}` (ratios against round-robin are null if
+it is round-robin); rollserve's own policies are still run and reported.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import functools
 import hashlib
 import heapq
 import json
@@ -88,6 +91,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Run as a script, this directory would come first on sys.path, and this script would shadow
+# the `routing` package: the repository comes first instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.support.report import finite, has_failed, print_json, run_baseline
 
 SYSTEM_KEY = -1
 """Cache key of the system prompt shared by every job."""
@@ -473,6 +484,8 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (RoundRobin, ProRLHeap, LeastLoaded, ConsistentHash, Rollserve, RollserveUnweighted)
 }
+OURS = (Rollserve.name, RollserveUnweighted.name)
+"""rollserve's policies (the rest are baselines, whose failure is recorded, not raised)."""
 
 
 # The simulation ---------------------------------------------------------------------------
@@ -656,7 +669,16 @@ def workload(jobs: list[Job]) -> dict[str, float]:
 # Report -----------------------------------------------------------------------------------
 
 
-def main() -> int:
+def run_policies(params: Params, names: list[str], jobs: list[Job]) -> dict[str, Any]:
+    """Each policy's `Result`, in order; a baseline policy that fails gets its failure entry."""
+    runs: dict[str, Any] = {}
+    for name in names:
+        measure = functools.partial(simulate, params, name, jobs)
+        runs[name] = measure() if name in OURS else run_baseline(name, measure)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller fleet, a few seconds")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
@@ -669,7 +691,7 @@ def main() -> int:
     for item in dataclasses.fields(Params):
         flag = "--" + item.name.replace("_", "-")
         parser.add_argument(flag, type=type(getattr(defaults, item.name)), default=None)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
 
     overrides: dict[str, Any] = dict(QUICK) if options.quick else {}
     for item in dataclasses.fields(Params):
@@ -685,8 +707,9 @@ def main() -> int:
     began = time.perf_counter()
     jobs = make_jobs(params)
     shape = workload(jobs)
-    results = [simulate(params, name, jobs) for name in names]
+    runs = run_policies(params, names, jobs)
     elapsed = time.perf_counter() - began
+    results: list[Result] = [r for r in runs.values() if isinstance(r, Result)]
     baseline = next((r for r in results if r.policy == "round-robin"), None)
 
     def versus(result: Result) -> float | None:
@@ -694,7 +717,7 @@ def main() -> int:
             return None
         return result.throughput_jobs_per_s / baseline.throughput_jobs_per_s
 
-    ratios = [r.cache_over_working_set for r in results]
+    ratios = [r.cache_over_working_set for r in results] or [math.nan]
     print(f"\nbench/routing.py{' --quick' if options.quick else ''}: a simulated fleet")
     print("  parameters:")
     pairs = [f"{item.name}={getattr(params, item.name)}" for item in dataclasses.fields(Params)]
@@ -719,7 +742,10 @@ def main() -> int:
         f"\n  {'policy':<22}{'jobs/s':>8}{'vs RR':>7}{'steady':>8}{'hit %':>7}{'imbal.':>8}"
         f"{'mean job s':>12}{'p99 job s':>11}{'uncached Mtok':>15}"
     )
-    for r in results:
+    for name, r in runs.items():
+        if has_failed(r):
+            print(f"  {name:<22}  {r['failed']}")
+            continue
         ratio = versus(r)
         print(
             f"  {r.policy:<22}{r.throughput_jobs_per_s:>8.4f}"
@@ -738,17 +764,14 @@ def main() -> int:
         "imbalance_metric": "max/mean over backends of time-averaged in-flight requests "
         "(running + waiting) divided by capacity",
         "results": {
-            r.policy: {
-                **r.summary(),
-                "throughput_vs_round_robin": versus(r),
-            }
-            for r in results
+            name: r if has_failed(r) else {**r.summary(), "throughput_vs_round_robin": versus(r)}
+            for name, r in runs.items()
         },
         "elapsed_s": elapsed,
     }
     if options.json is not None:
-        options.json.write_text(json.dumps(output, indent=2) + "\n")
-    print(json.dumps(output))
+        options.json.write_text(json.dumps(finite(output), indent=2, allow_nan=False) + "\n")
+    print_json(output)
     return 0
 
 

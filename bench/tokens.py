@@ -46,6 +46,10 @@ returns stdlib source text):
   the same tokenizer and template as the server's.
 
     .venv/bin/python bench/tokens.py [--quick] [--json PATH] [--seed N] [--model DIR]
+
+The last line printed is one JSON object with every figure and the conditions (`--json` also
+writes it to a file). Should the re-tokenizing baseline fail on a row, that row's drift
+figures are `"retokenized": {"failed": "..."}` and rollserve's are still reported.
 """
 
 from __future__ import annotations
@@ -53,11 +57,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run as `python bench/tokens.py`, this directory comes first on sys.path, where a sibling
-# script (e.g. bench/routing.py) would shadow a package of the project: nothing is imported
-# from here.
+# Run as a script, this directory would come first on sys.path, and bench/routing.py beside
+# this script would shadow the `routing` package: the repository comes first instead.
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
 import ast
@@ -79,13 +83,15 @@ from typing import Any
 
 import httpx
 
+from bench.support.report import failed_baseline, finite, print_json
 from broker.processes import free_port, spawn, stop_group
 from core.schemas import EnvTurn, ModelTurn
 from routing.chat import ChatTemplater
 from routing.devserver.protocol import tool_for_template
 from routing.devserver.tiny import build_qwen_tokenizer, make_tiny_model
-from routing.vllm import BackendError, Completion, VLLMClient
-from workers.agent import Limits, PolicyClient, run_episode
+from routing.protocol import Completion, PolicyClient
+from routing.vllm import BackendError, VLLMClient
+from workers.agent import Limits, run_episode
 from workers.handlers.base import Handler
 from workers.handlers.math import gold_answer, problem_text
 from workers.handlers.registry import get_handler
@@ -872,39 +878,66 @@ class Row:
     151,936): they decode to nothing, so they always drift."""
     stop_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    baseline_failure: dict[str, str] | None = None
+    """`{"failed": ...}` when the re-tokenizing baseline failed on this row (its drift figures
+    are then left out)."""
 
     def pct(self, part: int, whole: int) -> float:
         return 100.0 * part / whole if whole else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["baseline_failure"]
+        out["seconds"] = round(self.seconds, 2)
+        if self.baseline_failure is not None:
+            for key in DRIFT_FIELDS:
+                del out[key]
+            out["retokenized"] = self.baseline_failure
+            return out
         out["drift_trajectories_pct"] = round(
             self.pct(self.drift_trajectories, self.trajectories), 3
         )
         out["drift_turns_pct"] = round(self.pct(self.drift_turns, self.model_turns), 3)
         out["drift_tokens_pct"] = round(self.pct(self.drift_tokens, self.generated_tokens), 4)
-        out["seconds"] = round(self.seconds, 2)
         return out
+
+
+DRIFT_FIELDS = (
+    "drift_trajectories",
+    "drift_turns",
+    "drift_tokens",
+    "drift_other_tokens",
+    "retokenized_length_delta",
+)
+"""The figures of `Row` that come from the re-tokenizing baseline."""
 
 
 def summarize(
     generator: str, how: str, recs: list[Recorded], tokenizer: Any, seconds: float
 ) -> Row:
+    """One generator's row: rollserve's record checked on every trajectory, and the
+    re-tokenizing baseline's drift (its first failure recorded in `baseline_failure`)."""
     row = Row(generator, how, seconds=seconds)
     for rec in recs:
         check = check_record(rec)
-        drift = retokenize_drift(tokenizer, rec)
+        owners = generated_sequence(rec)[1]
         row.trajectories += 1
-        row.model_turns += drift.model_turns
-        row.generated_tokens += drift.generated_tokens
+        row.model_turns += 1 + max(owners, default=-1)
+        row.generated_tokens += sum(1 for o in owners if o >= 0)
         row.total_tokens += len(rec.prompt_ids) + len(rec.response_ids)
         row.record_differing_sequences += int(check.differs)
         row.record_mismatched_tokens += check.mismatched_tokens
-        row.drift_trajectories += int(drift.differs)
-        row.drift_turns += drift.drifted_turns
-        row.drift_tokens += drift.drifted_tokens
-        row.drift_other_tokens += drift.other_drifted_tokens
-        row.retokenized_length_delta += drift.length_delta
+        if row.baseline_failure is None:
+            try:
+                drift = retokenize_drift(tokenizer, rec)
+            except Exception as exc:
+                row.baseline_failure = failed_baseline(f"re-tokenizing ({generator})", exc)
+            else:
+                row.drift_trajectories += int(drift.differs)
+                row.drift_turns += drift.drifted_turns
+                row.drift_tokens += drift.drifted_tokens
+                row.drift_other_tokens += drift.other_drifted_tokens
+                row.retokenized_length_delta += drift.length_delta
         size = len(tokenizer)
         row.undefined_ids += sum(
             1 for t in rec.turns if isinstance(t, ModelTurn) for i in t.output_ids if i >= size
@@ -921,12 +954,16 @@ def print_table(rows: list[Row]) -> None:
         f"{'traj %':>8}{'turns %':>10}{'tokens %':>10}"
     )
     for r in rows:
-        print(
-            f"{r.generator:<44}{r.trajectories:>6}{r.model_turns:>7}{r.generated_tokens:>9}  "
-            f"{r.record_differing_sequences:>5} seq{r.record_mismatched_tokens:>3}  "
-            f"{r.pct(r.drift_trajectories, r.trajectories):>8.1f}"
+        baseline = (
+            f"  {r.baseline_failure['failed']}"
+            if r.baseline_failure is not None
+            else f"{r.pct(r.drift_trajectories, r.trajectories):>8.1f}"
             f"{r.pct(r.drift_turns, r.model_turns):>10.1f}"
             f"{r.pct(r.drift_tokens, r.generated_tokens):>10.2f}"
+        )
+        print(
+            f"{r.generator:<44}{r.trajectories:>6}{r.model_turns:>7}{r.generated_tokens:>9}  "
+            f"{r.record_differing_sequences:>5} seq{r.record_mismatched_tokens:>3}  {baseline}"
         )
 
 
@@ -1049,13 +1086,13 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
     return params, rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer episodes (well under a minute)")
     parser.add_argument("--seed", type=int, default=0, help="seed of tasks and sampling")
     parser.add_argument("--model", type=Path, help="an existing tiny model directory to reuse")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-tokens-") as tmp:
@@ -1101,11 +1138,12 @@ def main() -> int:
     )
     per_row = ", ".join(f"{r.generator.split(' (')[0]} {r.seconds:.1f}s" for r in rows)
     print(f"total {elapsed:.1f}s ({per_row})")
+    results: dict[str, Any] = {"bench": "tokens", "params": params}
+    results["rows"] = [r.as_dict() for r in rows]
+    results["seconds"] = round(elapsed, 2)
     if args.json:
-        results: dict[str, Any] = {"bench": "tokens", "params": params}
-        results["rows"] = [r.as_dict() for r in rows]
-        results["seconds"] = round(elapsed, 2)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        args.json.write_text(json.dumps(finite(results), indent=2, allow_nan=False) + "\n")
+    print_json(results)
     return 0
 
 

@@ -19,7 +19,10 @@ Measured in one run, on this machine:
 
     .venv/bin/python bench/tools.py [--quick]
 
-The last line printed is one JSON object with every figure and the conditions.
+The last line printed is one JSON object with every figure and the conditions. A baseline
+that fails (SWE-ReX timing out under load, tmux or the HTTP hop not starting) is recorded as
+`{"failed": "..."}` in place of its figures, ratios against it are null, and ours are still
+reported.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+# Run as a script, this directory would come first on sys.path, and bench/routing.py beside
+# this script would shadow the `routing` package: the repository comes first instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.support.report import failed_baseline, has_failed, print_json, run_baseline
 from sandbox.toolclient import ToolClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,8 +84,11 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def ratio(slow: dict[str, float], fast: dict[str, float], key: str = "p50_ms") -> float:
-    return round(slow[key] / fast[key], 2) if fast[key] else float("inf")
+def ratio(slow: dict[str, Any], fast: dict[str, Any], key: str = "p50_ms") -> float | None:
+    """`slow` over `fast` at `key`; None when either is a failed baseline (or `fast` is 0)."""
+    if has_failed(slow) or has_failed(fast) or not fast[key]:
+        return None
+    return round(slow[key] / fast[key], 2)
 
 
 def free_port() -> int:
@@ -146,6 +159,44 @@ def time_calls(call: Callable[[], Any], n: int) -> list[float]:
         call()
         times.append(time.perf_counter() - started)
     return times
+
+
+class Timed:
+    """One side of an interleaved measurement. Ours raises on a failure; a baseline's side
+    records its first failure (`failed`) and is not called again."""
+
+    def __init__(
+        self,
+        name: str,
+        call: Callable[[], Any] | None,
+        *,
+        baseline: bool = False,
+        failed: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.call = call
+        self.baseline = baseline
+        self.failed = failed
+        self.times: list[float] = []
+
+    def run(self, record: bool = True) -> None:
+        """Call once, keeping the seconds it took when `record`."""
+        if self.failed is not None or self.call is None:
+            return
+        started = time.perf_counter()
+        try:
+            self.call()
+        except Exception as exc:
+            if not self.baseline:
+                raise
+            self.failed = failed_baseline(self.name, exc)
+            return
+        if record:
+            self.times.append(time.perf_counter() - started)
+
+    def figures(self) -> dict[str, Any]:
+        """p50 and p99 (`summary`), or the failure."""
+        return self.failed if self.failed is not None else summary(self.times)
 
 
 def bench_ours(socket_path: Path, port: int, n_true: int, n_big: int) -> dict[str, Any]:
@@ -358,7 +409,23 @@ class HttpKernel:
         return result
 
 
+def connect_http_kernel(port: int, gateway: subprocess.Popen[bytes]) -> HttpKernel:
+    """A connection to the HTTP hop once it answers a cell (within 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            hop = HttpKernel(port)
+            assert hop.run("1+1")["output"] == "2\n"
+            return hop
+        except OSError:
+            if time.monotonic() > deadline or gateway.poll() is not None:
+                raise
+            time.sleep(0.05)
+
+
 def bench_ipython(socket_path: Path, n: int) -> dict[str, Any]:
+    """A cell `1+1` through the tool server (`direct`, ours) and through the HTTP hop (`http`,
+    the baseline), interleaved call by call; a failing hop is recorded, ours still measured."""
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, __file__, "--http-kernel-server", str(port)],
@@ -368,30 +435,23 @@ def bench_ipython(socket_path: Path, n: int) -> dict[str, Any]:
     direct = ToolClient(socket_path)
     try:
         assert direct.call("ipython", code="1+1", timeout=60)["output"] == "2\n"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                hop = HttpKernel(port)
-                assert hop.run("1+1")["output"] == "2\n"
-                break
-            except OSError:
-                if time.monotonic() > deadline or gateway.poll() is not None:
-                    raise
-                time.sleep(0.05)
+        ours = Timed("tool server -> kernel", lambda: direct.call("ipython", code="1+1"))
+        name = "HTTP hop -> kernel"
+        hop = run_baseline(name, lambda: connect_http_kernel(port, gateway))
+        if isinstance(hop, HttpKernel):
+            kernel = hop
+            theirs = Timed(name, lambda: kernel.run("1+1"), baseline=True)
+        else:
+            theirs = Timed(name, None, baseline=True, failed=hop)
+        sides = {"direct": ours, "http": theirs}
         for _ in range(20):
-            direct.call("ipython", code="1+1")
-            hop.run("1+1")
-        times: dict[str, list[float]] = {"direct": [], "http": []}
+            for side in sides.values():
+                side.run(record=False)
         for index in range(n):
-            calls: list[tuple[str, Callable[[], Any]]] = [
-                ("direct", lambda: direct.call("ipython", code="1+1")),
-                ("http", lambda: hop.run("1+1")),
-            ]
-            for label, call in calls if index % 2 else calls[::-1]:
-                started = time.perf_counter()
-                call()
-                times[label].append(time.perf_counter() - started)
-        return {label: summary(values) for label, values in times.items()}
+            order = list(sides.values())
+            for side in order if index % 2 else order[::-1]:
+                side.run()
+        return {label: side.figures() for label, side in sides.items()}
     finally:
         direct.close()
         stop_process(gateway)
@@ -429,6 +489,13 @@ def bench_startup(work: Path, n: int, backend: str) -> dict[str, Any]:
 # Report -------------------------------------------------------------------------------------
 
 
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "missing"
+
+
 def version(command: list[str]) -> str:
     try:
         out = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -438,16 +505,18 @@ def version(command: list[str]) -> str:
 
 
 def row(name: str, figures: dict[str, Any], ours: dict[str, Any] | None = None) -> str:
+    if has_failed(figures):
+        return f"  {name:<44}  {figures['failed']}"
     times = f"{figures['p50_ms']:>10.3f} {figures['p99_ms']:>10.3f}"
-    versus = f"{ratio(figures, ours):>9.1f}x" if ours is not None else f"{'':>10}"
-    return f"  {name:<44}{times}{versus}"
+    versus = ratio(figures, ours) if ours is not None else None
+    return f"  {name:<44}{times}" + (f"{versus:>9.1f}x" if versus is not None else f"{'':>10}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a run under about a minute")
     parser.add_argument("--http-kernel-server", type=int, help=argparse.SUPPRESS)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     if options.http_kernel_server:
         serve_http_kernel("127.0.0.1", options.http_kernel_server)
         return 0
@@ -472,8 +541,12 @@ def main() -> int:
         with tool_server(work, port) as socket_path:
             ours = bench_ours(socket_path, port, n["ours_true"], n["ours_100k"])
             ipython = bench_ipython(socket_path, n["ipython"])
-        tmux = bench_tmux(work, n["tmux_true"], n["tmux_100k"]) if have_tmux else {}
-        swerex = bench_swerex(n["swerex_true"], n["swerex_100k"])
+        tmux: dict[str, Any] = (
+            run_baseline("tmux", lambda: bench_tmux(work, n["tmux_true"], n["tmux_100k"]))
+            if have_tmux
+            else {}
+        )
+        swerex = run_baseline("SWE-ReX", lambda: bench_swerex(n["swerex_true"], n["swerex_100k"]))
         startup = {"local": bench_startup(work, n["startup"], "local")}
         if have_bwrap:
             startup["bwrap"] = bench_startup(work, n["startup"], "bwrap")
@@ -485,13 +558,15 @@ def main() -> int:
         entry: dict[str, Any] = {
             "ours_unix": ours[workload]["unix"],
             "ours_tcp": ours[workload]["tcp"],
-            "swerex": swerex[workload],
+            "swerex": swerex if has_failed(swerex) else swerex[workload],
         }
-        if tmux:
+        if has_failed(tmux):
+            entry["tmux_best"] = tmux
+        elif tmux:
             entry["tmux_best"] = best_tmux(tmux, workload)
             entry["tmux"] = {label: values[workload] for label, values in tmux.items()}
         figures[workload] = entry
-    ratios: dict[str, float] = {}
+    ratios: dict[str, float | None] = {}
     for workload in ("true", "100k"):
         entry = figures[workload]
         for key in ("p50_ms", "p99_ms"):
@@ -505,11 +580,21 @@ def main() -> int:
     ratios["ipython_http/direct_p50"] = ratio(ipython["http"], ipython["direct"])
     ratios["ipython_http/direct_p99"] = ratio(ipython["http"], ipython["direct"], "p99_ms")
     true = figures["true"]
+
+    def beyond(name: str, bound: float, *, inclusive: bool = True) -> bool | None:
+        """Whether ratio `name` reaches `bound`; None without the ratio (a failed baseline)."""
+        value = ratios.get(name)
+        if value is None:
+            return None
+        return value >= bound if inclusive else value > bound
+
     aims = {
         "true_p50_under_1ms": true["ours_unix"]["p50_ms"] < 1.0,
-        "at_least_5x_faster_than_best_tmux": bool(tmux) and ratios["tmux_best/ours_true_p50"] >= 5,
-        "at_least_50x_faster_than_swerex": ratios["swerex/ours_true_p50"] >= 50,
-        "unix_ahead_of_tcp": ratios["tcp/unix_true_p50"] > 1,
+        "at_least_5x_faster_than_best_tmux": (
+            beyond("tmux_best/ours_true_p50", 5) if tmux else False
+        ),
+        "at_least_50x_faster_than_swerex": beyond("swerex/ours_true_p50", 50),
+        "unix_ahead_of_tcp": beyond("tcp/unix_true_p50", 1, inclusive=False),
     }
 
     header = f"  {'':<44}{'p50 ms':>10} {'p99 ms':>10}{'vs ours':>10}"
@@ -519,6 +604,8 @@ def main() -> int:
         print(f"\n{title}\n{header}")
         print(row("tool server, Unix socket (ours)", entry["ours_unix"]))
         print(row("tool server, TCP loopback", entry["ours_tcp"], entry["ours_unix"]))
+        if has_failed(entry.get("tmux_best")):
+            print(row("tmux send-keys + capture-pane", entry["tmux_best"]))
         for label, values in entry.get("tmux", {}).items():
             best = " (best)" if label == entry["tmux_best"]["poll_interval"] else ""
             print(
@@ -534,7 +621,8 @@ def main() -> int:
     for where, values in startup.items():
         print(row(f"{where}: create until ping answered", values["ready"]))
         print(row(f"{where}: stop", values["stop"]))
-    print("\naims: " + ", ".join(f"{name}={'yes' if met else 'NO'}" for name, met in aims.items()))
+    met_words = {True: "yes", False: "NO", None: "n/a"}
+    print("\naims: " + ", ".join(f"{name}={met_words[met]}" for name, met in aims.items()))
     print(f"elapsed {time.perf_counter() - began:.1f} s\n")
 
     result = {
@@ -551,9 +639,9 @@ def main() -> int:
             "kernel": platform.release(),
             "tmux": version(["tmux", "-V"]),
             "bwrap": version(["bwrap", "--version"]),
-            "swe_rex": metadata.version("swe-rex"),
-            "jupyter_client": metadata.version("jupyter_client"),
-            "ipykernel": metadata.version("ipykernel"),
+            "swe_rex": package_version("swe-rex"),
+            "jupyter_client": package_version("jupyter_client"),
+            "ipykernel": package_version("ipykernel"),
             "big_output_bytes": BIG_BYTES,
             "big_command": "yes <99 x> | head -n 1000",
             "tmux_poll_intervals_s": list(TMUX_INTERVALS),
@@ -564,7 +652,7 @@ def main() -> int:
             "ours": "ToolClient (blocking) -> asyncio tool server -> ptyprocess bash",
         },
     }
-    print(json.dumps(result))
+    print_json(result)
     return 0
 
 

@@ -11,6 +11,11 @@ reasoning, would otherwise fork the trajectory).
 Rendering goes through the backend's `/tokenize` with `messages`, so the worker needs no
 tokenizer and always uses the served model's template. The pieces needed to cut new
 messages out of a render are derived once per tool set from a dummy conversation.
+
+`template_messages` and `template_tool` put chat messages and tool definitions in the shape
+vLLM hands them to a chat template, so that a conversation rendered locally (the SGLang
+client, whose server cannot render messages) gets the same ids as one rendered by vLLM's
+`/tokenize` (and the development server, which uses them too).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from routing.clients import InferenceClient
+from routing.protocol import InferenceClient
 
 _DUMMY_TEXT = "."
 _DUMMY_USER = {"role": "user", "content": _DUMMY_TEXT}
@@ -178,3 +183,57 @@ class ChatTemplater:
         pieces = _Pieces(prompt=prompt, content=content, closing=closing)
         self._pieces[key] = pieces
         return pieces
+
+
+# ------------------------------------------------------- shaped as vLLM hands them to a template
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the chat template.
+
+    Text parts of list contents are joined with newlines, and JSON-string tool call arguments
+    are parsed into objects (templates render them with `tojson`). Raises ValueError for
+    arguments that are not valid JSON.
+    """
+    out = []
+    for message in messages:
+        m = dict(message)
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+            m["content"] = "\n".join(t for t in texts if isinstance(t, str))
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for call in m["tool_calls"]:
+                call = dict(call)
+                function = dict(call.get("function") or {})
+                args = function.get("arguments")
+                if not args:
+                    function["arguments"] = {}
+                elif isinstance(args, str):
+                    try:
+                        function["arguments"] = json.loads(args)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"tool call arguments are not valid JSON: {e}") from e
+                call["function"] = function
+                calls.append(call)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool definition as vLLM hands it to the chat template.
+
+    vLLM parses `tools` into `{"type", "function": {"name", "description", "parameters"}}` and
+    dumps them back, so the template sees those keys in that order, absent ones as null,
+    followed by any extra keys.
+    """
+    function = dict(tool.get("function") or {})
+    known = {
+        "name": function.pop("name", None),
+        "description": function.pop("description", None),
+        "parameters": function.pop("parameters", None),
+    }
+    rest = {k: v for k, v in tool.items() if k not in ("type", "function")}
+    return {"type": tool.get("type", "function"), "function": known | function} | rest

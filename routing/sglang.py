@@ -14,7 +14,7 @@ answer (`tokenizer_manager.py`) is `{"text", "output_ids", "meta_info": {"id",
 
 SGLang's `/tokenize` takes text only, so chat messages are rendered here, with a local
 Hugging Face tokenizer (the `tokenizer=` path or hub name given to the client, else the model
-name) and its chat template, messages shaped as vLLM shapes them (`routing.clients`).
+name) and its chat template, messages shaped as vLLM shapes them (`routing.chat`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any
 
 import httpx
 
-from routing.clients import template_messages, template_tool
-from routing.vllm import BackendError, Completion, HTTPBackend, normalize_finish_reason
+from routing.chat import template_messages, template_tool
+from routing.protocol import Completion, normalize_finish_reason
+from routing.vllm import BackendError, HTTPBackend
 
 log = logging.getLogger(__name__)
 

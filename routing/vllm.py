@@ -2,8 +2,8 @@
 
 Completions are requested with a prompt of token ids and come back as the exact generated ids
 with the logprob of each: nothing is re-tokenized on the way. `HTTPBackend` is the transport
-every client shares (`VLLMClient` here, `routing.generate.VLLMGenerateClient` for vLLM's
-`/inference/v1/generate`, `routing.sglang.SGLangClient` for SGLang's native `/generate`):
+every client shares (`VLLMClient` here, `routing.vllm_generate.VLLMGenerateClient` for
+vLLM's `/inference/v1/generate`, `routing.sglang.SGLangClient` for SGLang's native `/generate`):
 connection errors and 5xx answers are retried with capped exponential backoff and jitter
 (tenacity); a 4xx is the caller's mistake and fails at once (one refusing a prompt id outside
 the vocabulary as `OutOfVocabularyError`, whose bound the client remembers); a timeout is not
@@ -13,7 +13,6 @@ retried.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
@@ -24,44 +23,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-FINISH_REASONS = ("stop", "length", "abort")
-"""The one convention of `Completion.finish_reason` across clients."""
-
-
-def normalize_finish_reason(reason: str | None) -> str | None:
-    """A backend's finish reason in the clients' convention.
-
-    `"stop"`: EOS, a stop token or a stop string; `"length"`: `max_tokens` or the context;
-    `"abort"`: aborted by the server or by us. vLLM's opt-in repetition detection
-    (`"repetition"`) ends a turn early like a stop; any other value is passed through as is.
-    """
-    if reason is None:
-        return None
-    value = str(reason).lower()
-    if value == "repetition":
-        return "stop"
-    return value
-
-
-@dataclass
-class Completion:
-    """One generated continuation of a prompt of token ids."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    """One per output id: the logprob of the sampled id (as the backend reports it)."""
-    text: str
-    finish_reason: str | None
-    """`"stop"` (EOS, stop token or stop string), `"length"` (max_tokens or context) or
-    `"abort"` (aborted by the server or by us), whichever backend answered."""
-    stop_reason: int | str | None
-    """The stop string or stop token id that ended generation; None for length (and for EOS
-    on vLLM; SGLang names the EOS id it matched)."""
-    prompt_tokens: int
-    backend_id: str | None = None
-    """The backend that generated it (set by the job's router)."""
-    policy_version: int | None = None
-    """The weights it was generated with, as that backend announced them."""
+from routing.protocol import Completion, normalize_finish_reason
 
 
 class BackendError(Exception):

@@ -39,22 +39,15 @@ from typing import Any, ClassVar
 from sandbox.base import (
     SOCKET_DIR_INSIDE,
     WORKSPACE_INSIDE,
-    ProcessSandbox,
     SandboxBackend,
     SandboxError,
     SandboxInfo,
     SandboxSpec,
-    host_env,
-    kill_box_processes,
-    labelled_pids,
-    launcher_argv,
-    locked,
-    prepare_state,
-    process_matches,
-    process_start_time,
-    service_paths,
-    write_info,
 )
+from sandbox.process import ProcessSandbox
+from sandbox.procs import kill_box_processes, labelled_pids, process_matches, process_start_time
+from sandbox.startup import host_env, launcher_argv, service_paths
+from sandbox.statedir import locked, prepare_state, write_info
 
 log = logging.getLogger(__name__)
 

@@ -39,16 +39,14 @@ from typing import ClassVar
 from sandbox.base import (
     SOCKET_DIR_INSIDE,
     WORKSPACE_INSIDE,
-    ProcessSandbox,
     SandboxBackend,
     SandboxError,
     SandboxInfo,
     SandboxSpec,
-    host_env,
-    pick_free_uid,
-    prepare_state,
-    service_paths,
 )
+from sandbox.process import ProcessSandbox
+from sandbox.startup import host_env, service_paths
+from sandbox.statedir import pick_free_uid, prepare_state
 
 DEFAULT_HIDDEN = ("/root", "/home", "/run")
 """Host directories covered with an empty tmpfs in boxes on the host's root."""

@@ -17,15 +17,10 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from sandbox.base import (
-    WORKSPACE_INSIDE,
-    Limits,
-    ProcessSandbox,
-    SandboxBackend,
-    SandboxSpec,
-    box_env,
-    prepare_state,
-)
+from sandbox.base import WORKSPACE_INSIDE, Limits, SandboxBackend, SandboxSpec
+from sandbox.process import ProcessSandbox
+from sandbox.startup import box_env
+from sandbox.statedir import prepare_state
 
 log = logging.getLogger(__name__)
 

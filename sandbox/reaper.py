@@ -6,7 +6,7 @@ and bubblewrap's --die-with-parent took the box along, leaving the state dir). R
 every process labelled with the sandbox's id, then removes its state dir. Sweeps may run
 at the same time in several processes: a sandbox is reaped under its state dir's lock, by
 whoever takes it first. Sandboxes another host recorded (a state root on a shared file
-system) are left to that host.
+system) are left to that host. Grading boxes (`GRADING_DIR`) are swept with their state root.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sandbox.backends import backend_class
-from sandbox.base import (
+from sandbox.base import SandboxInfo
+from sandbox.procs import process_matches
+from sandbox.statedir import (
     TOMBSTONE_PREFIX,
-    SandboxInfo,
     locked,
-    process_matches,
     read_info,
     release_state,
     remove_tree,
@@ -31,7 +31,11 @@ from sandbox.base import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SandboxInfo", "list_sandboxes", "reap"]
+__all__ = ["GRADING_DIR", "SandboxInfo", "list_sandboxes", "reap"]
+
+GRADING_DIR = ".grading"
+"""Where grading boxes live under a state root: fresh boxes a grader starts and stops within
+one grade, labelled with the job they grade, apart from the boxes jobs hold."""
 
 ORPHAN_GRACE_SECONDS = 300.0
 """A state dir without a readable meta.json is removed once it is this old (a create that
@@ -69,8 +73,9 @@ def why_reap(info: SandboxInfo, job_is_live: Callable[[str], bool], now: float) 
 def reap(
     state_root: Path, job_is_live: Callable[[str], bool], *, now: float | None = None
 ) -> list[str]:
-    """Kill and remove every sandbox of this host under `state_root` whose job is not live,
-    whose lease expired, or whose box is already gone; returns the ids it reaped.
+    """Kill and remove every sandbox of this host under `state_root` (grading boxes in its
+    `GRADING_DIR` included) whose job is not live, whose lease expired, or whose box is
+    already gone; returns the ids it reaped.
 
     `job_is_live(job_id)` is asked once per job per sweep; if it raises, that job's
     sandboxes stay. Safe to run concurrently on one host.
@@ -84,9 +89,11 @@ def reap(
             verdicts[job_id] = job_is_live(job_id)
         return verdicts[job_id]
 
-    _clear_tombstones(state_root, now)
+    roots = (state_root, state_root / GRADING_DIR)
+    for root in roots:
+        _clear_tombstones(root, now)
     reaped: list[str] = []
-    for state_dir in _state_dirs(state_root):
+    for state_dir in [d for root in roots for d in _state_dirs(root)]:
         info = read_info(state_dir)
         if info is None:
             if _orphaned(state_dir, now):

@@ -31,9 +31,11 @@ from typing import Any
 
 import pytest
 
-from sandbox.base import LABEL_JOB, Sandbox, SandboxBackend, SandboxSpec, remove_tree
+from sandbox.base import Sandbox, SandboxBackend, SandboxSpec
 from sandbox.bwrap import BubblewrapBackend
 from sandbox.local import LocalBackend
+from sandbox.procs import LABEL_JOB
+from sandbox.statedir import remove_tree
 
 
 def find_job_processes(job_id: str) -> list[int]:

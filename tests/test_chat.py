@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from routing.chat import ChatTemplater, TemplateError
-from routing.vllm import Completion, VLLMClient
+from routing.protocol import Completion
+from routing.vllm import VLLMClient
 
 if TYPE_CHECKING:
     from tests.devserver_fixtures import DevBackend

@@ -11,19 +11,19 @@ import pytest
 import redis
 
 from broker.celery_app import create_celery
-from broker.dapo import attempt_samplings
-from broker.dispatch import TARGET_TOKEN, Dispatcher
 from broker.jobstore import DynamicOptions, JobStore, PoolTask
 from core.schemas import JobStatus
 from core.settings import Settings
 from routing.pool import BackendPool
+from workers.dapo import attempt_samplings
+from workers.dispatch import TARGET_TOKEN, Dispatcher
 
 
 @pytest.fixture
 def dispatcher(redis_url: str) -> Iterator[Dispatcher]:
     client = redis.Redis.from_url(redis_url)
     app = create_celery(Settings(redis_url=redis_url), redis_url)
-    yield Dispatcher(JobStore(client), BackendPool(client), app, "node-a").install()
+    yield Dispatcher(JobStore(client), BackendPool(client), app, "node-a")
     app.close()
     client.close()
 
@@ -36,12 +36,13 @@ def create(store: JobStore, n: int, target: int, inflight: int) -> list[str]:
     )
 
 
-def complete(store: JobStore, job_id: str, reward: float, *, follow: bool = True) -> None:
+def complete(dispatcher: Dispatcher, job_id: str, reward: float, *, follow: bool = True) -> None:
+    store = dispatcher.store
     store.transition(job_id, JobStatus.init)
     traj = store.trajectory(job_id)
     traj.reward = reward
     if follow:
-        store.finish(job_id, JobStatus.completed, traj)
+        dispatcher.finish(job_id, JobStatus.completed, traj)
     else:
         store.finish_outcome(job_id, JobStatus.completed, traj)
 
@@ -52,8 +53,8 @@ def test_an_end_that_draws_sends_the_new_groups(
     store = dispatcher.store
     dispatcher.send_drawn("b", create(store, 4, target=2, inflight=1))
     assert redis_client.llen("init") == 2
-    complete(store, "b-1-0", 1.0)
-    complete(store, "b-1-1", 1.0)  # filtered: the next group is drawn and sent at once
+    complete(dispatcher, "b-1-0", 1.0)
+    complete(dispatcher, "b-1-1", 1.0)  # filtered: the next group is drawn and sent at once
     assert redis_client.llen("init") == 4
     assert store.claim_unsent("b", older_than=-1) == []
 
@@ -63,8 +64,8 @@ def test_the_targets_end_cancels_the_rest_once(
 ) -> None:
     store = dispatcher.store
     dispatcher.send_drawn("b", create(store, 6, target=1, inflight=3))
-    complete(store, "b-1-0", 0.0)
-    complete(store, "b-1-1", 1.0)
+    complete(dispatcher, "b-1-0", 0.0)
+    complete(dispatcher, "b-1-1", 1.0)
     progress = store.batch_progress("b")
     assert progress.done and progress.dynamic is not None
     assert progress.counts == {"cancelled": 4, "completed": 2, "pending": 0}
@@ -98,8 +99,8 @@ def test_recover_sends_what_a_dead_worker_drew_and_finishes_its_cancellation(
     dispatcher.recover("b", older_than=-1)
     assert redis_client.llen("init") == len(first)
     # the target is met but the worker dies before cancelling the rest
-    complete(store, "b-1-0", 0.0, follow=False)
-    complete(store, "b-1-1", 1.0, follow=False)
+    complete(dispatcher, "b-1-0", 0.0, follow=False)
+    complete(dispatcher, "b-1-1", 1.0, follow=False)
     assert TARGET_TOKEN in store.stopping("b") and not store.batch_progress("b").done
     dispatcher.recover("b", older_than=-1)
     progress = store.batch_progress("b")

@@ -20,18 +20,22 @@ from broker.jobstore import JobSpec, JobStore
 from core.schemas import JobStatus
 from core.settings import Settings
 from routing.pool import BackendPool
-from sandbox.base import process_start_time
+from sandbox.procs import process_start_time
 from workers import lifecycle
-from workers.runtime import Runtime
+from workers.process_state import Runtime
 
 
 @pytest.fixture
 def rt(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
     client = redis.Redis.from_url(redis_url)
     settings = Settings(redis_url=redis_url, node_name="node-a")
-    runtime = Runtime(settings=settings, store=JobStore(client), pool=BackendPool(client))
+    app = create_celery(settings, redis_url)
+    runtime = Runtime(
+        settings=settings, store=JobStore(client), pool=BackendPool(client), celery=app
+    )
     monkeypatch.setattr(lifecycle, "get_runtime", lambda: runtime)
     yield runtime
+    app.close()
     client.close()
 
 
@@ -66,8 +70,7 @@ def test_a_stage_runs_between_its_marks_and_none_starts_for_an_ended_job(
     assert isinstance(active, tuple)
     assert active[0] == f"{job_id}-init" and active[1].startswith(f"node-a|{os.getpid()}|")
     assert rt.store.active_stage(job_id) is None
-    assert rt.store.followup is not None  # ends recorded in this process are followed up
-    rt.store.finish(job_id, JobStatus.cancelled)
+    rt.finish(job_id, JobStatus.cancelled)
     later = fake_task(job_id, "run", app)
     lifecycle.tracked(later, job_id, lambda: seen.append("ran"))
     assert "ran" not in seen and later.request.chain is None

@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import redis
 
-from broker.dapo import attempt_samplings
 from broker.jobstore import DynamicOptions, FinishOutcome, JobStore, PoolTask
 from core.schemas import JobStatus, StageError
+from workers.dapo import attempt_samplings
 
 PREFIX = "t:"
 

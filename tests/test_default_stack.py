@@ -22,12 +22,13 @@ import redis
 from api.client import RolloutClient
 from core.schemas import Backend, BackendSpec, JobStatus, ModelTurn, Trajectory
 from routing.chat import ChatTemplater
-from routing.generate import VLLMGenerateClient
 from routing.pool import BackendPool
-from routing.vllm import BackendError, Completion, OutOfVocabularyError, VLLMClient
+from routing.protocol import Completion
+from routing.vllm import BackendError, OutOfVocabularyError, VLLMClient
+from routing.vllm_generate import VLLMGenerateClient
 from workers.agent import Episode, Limits, run_episode
 from workers.handlers.math import MathHandler
-from workers.routed import RoutedPolicy
+from workers.routed_policy import RoutedPolicy
 
 if TYPE_CHECKING:
     from deploy.stack import Stack
@@ -326,7 +327,7 @@ def check_kept_and_graded(result: Episode) -> None:
     assert builder.model_turns == 1
     assert builder.response_ids[:5] == first.output_ids and builder.loss_mask[:5] == [1] * 5
     assert len(builder.response_ids) == len(builder.loss_mask) == len(builder.logprobs)
-    grade = MathHandler().grade(TASK, builder.assistant_texts)
+    grade = MathHandler().grade(TASK, builder.assistant_texts, job_id="job-1")
     assert grade.reward == 0.0
 
 

@@ -93,14 +93,14 @@ def of_source(source: str) -> list[Any]:
 @pytest.mark.parametrize("task", of_source("math"))
 def test_math_example_gold_answers_grade_as_correct(task: dict[str, Any]) -> None:
     handler = get_handler("math")
-    assert handler.grade(task, [f"\\boxed{{{gold_answer(task)}}}"]).reward == 1.0
+    assert handler.grade(task, [f"\\boxed{{{gold_answer(task)}}}"], job_id="job-1").reward == 1.0
 
 
 @pytest.mark.parametrize("task", of_source("stem"))
 def test_stem_example_gold_answers_grade_as_correct(task: dict[str, Any]) -> None:
     parsed = read_task(task)
     answer = parsed.answer if isinstance(parsed, MultipleChoice) else parsed.accepted[0]
-    assert get_handler("stem").grade(task, [f"Answer: {answer}"]).reward == 1.0
+    assert get_handler("stem").grade(task, [f"Answer: {answer}"], job_id="job-1").reward == 1.0
 
 
 def test_demo_has_four_math_and_two_stem_tasks() -> None:
@@ -144,7 +144,7 @@ def test_scripted_sample_ends_on_its_last_turn(task: dict[str, Any], sample: int
 @pytest.mark.parametrize(("task", "sample"), DEMO_CASES)
 def test_scripted_sample_earns_the_reward_in_the_readme(task: dict[str, Any], sample: int) -> None:
     texts, _ = play(task, script_entry(task)["samples"][sample])
-    grade = get_handler(task["data_source"]).grade(task, texts)
+    grade = get_handler(task["data_source"]).grade(task, texts, job_id="job-1")
     assert grade.reward == expected_rewards()[task["instance_id"]][sample], grade.details
 
 

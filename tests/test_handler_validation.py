@@ -10,7 +10,7 @@ import pytest
 from api.errors import json_safe
 from core.schemas import json_problem
 from workers.handlers.base import TaskValidationError
-from workers.handlers.code import MAX_MEMORY_MB, MAX_TIME_LIMIT, read_task
+from workers.handlers.code.records import MAX_MEMORY_MB, MAX_TIME_LIMIT, read_task
 from workers.handlers.shell import MAX_TIMEOUT, ShellHandler, check_timeout, task_files
 
 SHELL = {"data_source": "shell", "instruction": "make x", "check": "test -f /workspace/x"}
@@ -63,7 +63,7 @@ def test_shell_timeout_is_read_once_and_used_by_grading(value: Any, expected: fl
     ShellHandler().validate(task)
     assert check_timeout(task) == expected
     tools = Recorder()
-    ShellHandler().grade(task, [], tools)
+    ShellHandler().grade(task, [], tools, job_id="job-1")
     assert tools.calls[0]["timeout"] == expected
 
 

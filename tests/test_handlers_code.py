@@ -15,20 +15,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from sandbox.bwrap import BubblewrapBackend
+from sandbox.reaper import GRADING_DIR, reap
 from tests.test_demo import processes_mentioning
-from workers.handlers import code
 from workers.handlers.base import TaskValidationError
-from workers.handlers.code import (
-    CallTest,
-    CodeHandler,
-    StdioTest,
-    extract_code,
-    last_program,
-    outputs_match,
-    read_task,
-    reap_grading_boxes,
-    values_match,
-)
+from workers.handlers.code import records as code
+from workers.handlers.code.handler import CodeHandler
+from workers.handlers.code.matching import extract_code, last_program, outputs_match, values_match
+from workers.handlers.code.records import CallTest, StdioTest, read_task
 
 if TYPE_CHECKING:
     from tests.sandbox_fixtures import Listener
@@ -371,7 +364,7 @@ ADD = program("a, b = map(int, input().split())\nprint(a + b)")
 
 
 def test_a_correct_stdin_program_gets_reward_one(handler: CodeHandler) -> None:
-    grade = handler.grade(NATIVE, [ADD])
+    grade = handler.grade(NATIVE, [ADD], job_id="code-grade-test")
     assert grade.reward == 1.0
     assert (grade.details["passed"], grade.details["total"]) == (2, 2)
     assert [t["verdict"] for t in grade.details["tests"]] == ["pass", "pass"]
@@ -380,7 +373,12 @@ def test_a_correct_stdin_program_gets_reward_one(handler: CodeHandler) -> None:
 def test_function_calls_reach_top_level_functions_and_solution_methods(
     handler: CodeHandler,
 ) -> None:
-    assert handler.grade(NATIVE_CALL, [program("def square(x):\n    return x * x")]).reward == 1.0
+    assert (
+        handler.grade(
+            NATIVE_CALL, [program("def square(x):\n    return x * x")], job_id="code-grade-test"
+        ).reward
+        == 1.0
+    )
     two_sum = """
 class Solution:
     def twoSum(self, nums: List[int], target: int) -> List[int]:
@@ -390,12 +388,12 @@ class Solution:
                 return (seen[target - x], i)
             seen[x] = i
 """
-    grade = handler.grade(LCB, [program(two_sum)])
+    grade = handler.grade(LCB, [program(two_sum)], job_id="code-grade-test")
     assert grade.reward == 1.0, grade.details
 
 
 def test_a_wrong_answer_is_reported_with_what_was_printed(handler: CodeHandler) -> None:
-    grade = handler.grade(NATIVE, [program("print(3)")])
+    grade = handler.grade(NATIVE, [program("print(3)")], job_id="code-grade-test")
     assert grade.reward == 0.0
     first, second = grade.details["tests"]
     assert first["verdict"] == "pass"
@@ -404,7 +402,9 @@ def test_a_wrong_answer_is_reported_with_what_was_printed(handler: CodeHandler) 
 
 
 def test_a_runtime_error_is_reported_with_the_exception(handler: CodeHandler) -> None:
-    grade = handler.grade(NATIVE_CALL, [program("def square(x):\n    return x / 0")])
+    grade = handler.grade(
+        NATIVE_CALL, [program("def square(x):\n    return x / 0")], job_id="code-grade-test"
+    )
     verdict = grade.details["tests"][0]
     assert verdict["verdict"] == "runtime error"
     assert "ZeroDivisionError" in verdict["message"]
@@ -416,7 +416,7 @@ def test_an_endless_loop_hits_the_time_limit_and_the_other_tests_still_run(
     loop = program("s = input()\nwhile s == 'spin':\n    pass\nprint(s)")
     task = stdin_task(("spin\n", "spin"), ("ok\n", "ok"), time_limit=1, reward="fraction")
     started = time.monotonic()
-    grade = handler.grade(task, [loop])
+    grade = handler.grade(task, [loop], job_id="code-grade-test")
     assert time.monotonic() - started < 10
     assert [t["verdict"] for t in grade.details["tests"]] == ["time limit", "pass"]
     assert grade.details["tests"][0]["seconds"] >= 1.0
@@ -426,8 +426,16 @@ def test_an_endless_loop_hits_the_time_limit_and_the_other_tests_still_run(
 def test_a_program_that_takes_too_much_memory_hits_the_memory_limit(handler: CodeHandler) -> None:
     hog = program("data = bytearray(200 * 2**20)\nprint(len(data))")
     task = stdin_task(("\n", str(200 * 2**20)), memory_limit_mb=128)
-    assert handler.grade(task, [hog]).details["tests"][0]["verdict"] == "memory limit"
-    assert handler.grade(with_fields(task, memory_limit_mb=512), [hog]).reward == 1.0
+    assert (
+        handler.grade(task, [hog], job_id="code-grade-test").details["tests"][0]["verdict"]
+        == "memory limit"
+    )
+    assert (
+        handler.grade(
+            with_fields(task, memory_limit_mb=512), [hog], job_id="code-grade-test"
+        ).reward
+        == 1.0
+    )
 
 
 def test_a_fork_bomb_is_contained_and_the_next_test_runs(handler: CodeHandler) -> None:
@@ -444,7 +452,7 @@ print("calm")
 """
     )
     task = stdin_task(("bomb\n", "calm"), ("quiet\n", "calm"), time_limit=1, reward="fraction")
-    grade = handler.grade(task, [bomb])
+    grade = handler.grade(task, [bomb], job_id="code-grade-test")
     assert grade.details["tests"][0]["verdict"] in ("time limit", "runtime error")
     assert grade.details["tests"][1]["verdict"] == "pass"
 
@@ -464,7 +472,7 @@ print("done")
 """
     )
     task = stdin_task(("kill\n", "done"), ("stay\n", "done"), ("stay\n", "done"), reward="fraction")
-    grade = handler.grade(task, [abuse])
+    grade = handler.grade(task, [abuse], job_id="code-grade-test")
     assert [t["verdict"] for t in grade.details["tests"]] == ["runtime error", "pass", "pass"]
     assert "stopped the grader" in grade.details["tests"][0]["message"]
     assert not target.exists()
@@ -484,7 +492,7 @@ for address in [("127.0.0.1", {host_listener.port}), ("1.1.1.1", 53)]:
 print("reached", *reached) if reached else print("isolated")
 """
     )
-    grade = handler.grade(stdin_task(("", "isolated")), [probe])
+    grade = handler.grade(stdin_task(("", "isolated")), [probe], job_id="code-grade-test")
     assert grade.reward == 1.0, grade.details
     assert host_listener.accepted == 0
 
@@ -494,9 +502,11 @@ def test_all_needs_every_test_and_stops_at_the_first_crash_fraction_counts(
 ) -> None:
     flaky = program("n = int(input())\nassert n != 2\nprint(n)")
     cases = [("1\n", "1"), ("2\n", "2"), ("3\n", "3"), ("4\n", "4")]
-    fraction = handler.grade(stdin_task(*cases, reward="fraction"), [flaky])
+    fraction = handler.grade(
+        stdin_task(*cases, reward="fraction"), [flaky], job_id="code-grade-test"
+    )
     assert fraction.reward == 0.75
-    everything = handler.grade(stdin_task(*cases), [flaky])
+    everything = handler.grade(stdin_task(*cases), [flaky], job_id="code-grade-test")
     assert everything.reward == 0.0
     verdicts = [t["verdict"] for t in everything.details["tests"]]
     assert verdicts == ["pass", "runtime error", "skipped", "skipped"]
@@ -507,7 +517,7 @@ def test_the_time_budget_bounds_grading(bwrap_backend: BubblewrapBackend, state_
     spin = program("while True:\n    pass")
     task = stdin_task(*[("\n", "x")] * 6, time_limit=1, reward="fraction")
     started = time.monotonic()
-    grade = handler.grade(task, [spin])
+    grade = handler.grade(task, [spin], job_id="code-grade-test")
     assert time.monotonic() - started < 6
     verdicts = [t["verdict"] for t in grade.details["tests"]]
     assert verdicts[0] == "time limit" and verdicts[-1] == "skipped"
@@ -515,7 +525,9 @@ def test_the_time_budget_bounds_grading(bwrap_backend: BubblewrapBackend, state_
 
 
 def test_no_code_found_gives_reward_zero_without_a_sandbox() -> None:
-    grade = CodeHandler(backend="no-such-backend").grade(NATIVE, ["I could not solve it."])
+    grade = CodeHandler(backend="no-such-backend").grade(
+        NATIVE, ["I could not solve it."], job_id="code-grade-test"
+    )
     assert grade.reward == 0.0
     assert grade.details["reason"] == "no code found"
 
@@ -525,8 +537,9 @@ def test_boxes_left_by_a_dead_grader_are_reaped(
 ) -> None:
     from sandbox.base import SandboxSpec
 
-    box = bwrap_backend.create(SandboxSpec(job_id="code-grade-999999999-1-abcd"), state_root)
-    assert reap_grading_boxes(state_root) == [box.id]
+    grading_root = state_root / GRADING_DIR
+    box = bwrap_backend.create(SandboxSpec(job_id="code-grade-999999999-1-abcd"), grading_root)
+    assert reap(state_root, lambda job_id: False) == [box.id]
     assert not box.state_dir.exists()
 
 

@@ -41,7 +41,9 @@ def handler() -> MathHandler:
 
 def grade_off_main_thread(handler: MathHandler, task: dict[str, Any], texts: list[str]) -> Grade:
     result: list[Grade] = []
-    worker = threading.Thread(target=lambda: result.append(handler.grade(task, texts)))
+    worker = threading.Thread(
+        target=lambda: result.append(handler.grade(task, texts, job_id="job-1"))
+    )
     worker.start()
     worker.join(timeout=120)
     assert result, "grading thread did not finish"
@@ -212,7 +214,7 @@ def test_nested_braces_in_a_boxed_answer_are_kept() -> None:
 
 
 def test_correct_answer_gets_reward_one(handler: MathHandler) -> None:
-    grade = handler.grade(GSM8K, ["3 * 4 = 12, so \\boxed{12}."])
+    grade = handler.grade(GSM8K, ["3 * 4 = 12, so \\boxed{12}."], job_id="job-1")
     assert grade.reward == 1.0
     assert grade.details["reason"] == "correct"
     assert grade.details["extracted"] == "12"
@@ -220,7 +222,7 @@ def test_correct_answer_gets_reward_one(handler: MathHandler) -> None:
 
 
 def test_wrong_answer_gets_reward_zero(handler: MathHandler) -> None:
-    grade = handler.grade(GSM8K, ["3 + 4 = 7, so \\boxed{7}."])
+    grade = handler.grade(GSM8K, ["3 + 4 = 7, so \\boxed{7}."], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "incorrect"
     assert grade.details["extracted"] == "7"
@@ -246,43 +248,43 @@ def test_equivalent_forms_of_the_gold_are_correct(
     handler: MathHandler, gold: str, answer: str
 ) -> None:
     task = {"data_source": "math", "problem": "p", "answer": gold}
-    assert handler.grade(task, [answer]).reward == 1.0
+    assert handler.grade(task, [answer], job_id="job-1").reward == 1.0
 
 
 def test_units_do_not_make_a_wrong_number_right(handler: MathHandler) -> None:
     task = {"data_source": "math", "problem": "p", "answer": "18"}
-    assert handler.grade(task, ["\\boxed{17 \\text{ dollars}}"]).reward == 0.0
-    assert handler.grade(task, ["The answer is 17 dollars."]).reward == 0.0
+    assert handler.grade(task, ["\\boxed{17 \\text{ dollars}}"], job_id="job-1").reward == 0.0
+    assert handler.grade(task, ["The answer is 17 dollars."], job_id="job-1").reward == 0.0
 
 
 def test_last_turn_with_an_answer_is_graded(handler: MathHandler) -> None:
     texts = ["I think \\boxed{7}.", "Recounting: \\boxed{12}.", "Is there anything else?"]
-    grade = handler.grade(GSM8K, texts)
+    grade = handler.grade(GSM8K, texts, job_id="job-1")
     assert grade.reward == 1.0
     assert grade.details["answer_turn"] == 1
 
 
 def test_episode_without_an_answer_gets_reward_zero_and_says_so(handler: MathHandler) -> None:
-    grade = handler.grade(GSM8K, ["Let me count the pencils.", "Still counting."])
+    grade = handler.grade(GSM8K, ["Let me count the pencils.", "Still counting."], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "no_answer"
     assert grade.details["extracted"] is None
 
 
 def test_episode_without_assistant_turns_gets_reward_zero(handler: MathHandler) -> None:
-    grade = handler.grade(GSM8K, [])
+    grade = handler.grade(GSM8K, [], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "no_answer"
 
 
 def test_grade_details_are_json_serialisable(handler: MathHandler) -> None:
-    details = handler.grade(MATH, ["\\boxed{\\frac{3}{4}}"]).details
+    details = handler.grade(MATH, ["\\boxed{\\frac{3}{4}}"], job_id="job-1").details
     assert json.loads(json.dumps(details)) == details
 
 
 def test_grading_off_the_main_thread_matches_grading_on_it(handler: MathHandler) -> None:
     texts = [["\\boxed{0.75}"], ["\\boxed{\\frac{2}{3}}"], ["no answer"]]
-    on_main = [handler.grade(MATH, t) for t in texts]
+    on_main = [handler.grade(MATH, t, job_id="job-1") for t in texts]
     off_main = [grade_off_main_thread(handler, MATH, t) for t in texts]
     assert [g.reward for g in off_main] == [1.0, 0.0, 0.0]
     assert [g.details for g in off_main] == [g.details for g in on_main]
@@ -291,7 +293,7 @@ def test_grading_off_the_main_thread_matches_grading_on_it(handler: MathHandler)
 def test_runaway_comparison_times_out_on_the_main_thread() -> None:
     handler = MathHandler(CheckLimits(parse_s=1, verify_s=1))
     started = time.monotonic()
-    grade = handler.grade(GSM8K, [TOWER])
+    grade = handler.grade(GSM8K, [TOWER], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "timeout"
     assert time.monotonic() - started < 5
@@ -335,7 +337,7 @@ def test_time_limits_are_refused_off_the_main_thread() -> None:
 
 def test_end_of_turn_token_in_the_text_is_not_part_of_the_answer(handler: MathHandler) -> None:
     # Backends asked to keep special tokens end the text with the chat template's <|im_end|>.
-    assert handler.grade(GSM8K, ["3 * 4 = 12\n#### 12<|im_end|>"]).reward == 1.0
+    assert handler.grade(GSM8K, ["3 * 4 = 12\n#### 12<|im_end|>"], job_id="job-1").reward == 1.0
     assert handler.step(GSM8K, "#### 12<|im_end|>", 0).done
 
 

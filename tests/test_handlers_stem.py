@@ -111,7 +111,7 @@ def test_blank_accepted_answer_is_named_by_its_position(handler: StemHandler) ->
 
 def test_choice_text_as_answer_means_its_letter(handler: StemHandler) -> None:
     task = with_fields(CHOICE, answer="Chloroplast")
-    assert handler.grade(task, ["Answer: B"]).reward == 1.0
+    assert handler.grade(task, ["Answer: B"], job_id="job-1").reward == 1.0
 
 
 # ----------------------------------------------------------------------------- messages
@@ -157,13 +157,13 @@ def test_dict_choices_keep_their_letters(handler: StemHandler) -> None:
     ids=["answer-line", "parens", "boxed", "answer-is", "bold", "correct-answer", "text", "lower"],
 )
 def test_choice_is_read_from_typical_forms(handler: StemHandler, text: str) -> None:
-    grade = handler.grade(CHOICE, [text])
+    grade = handler.grade(CHOICE, [text], job_id="job-1")
     assert grade.details["extracted"] == "B"
     assert grade.reward == 1.0
 
 
 def test_last_stated_choice_wins(handler: StemHandler) -> None:
-    grade = handler.grade(CHOICE, ["Answer: B\n\nOn reflection, the answer is C."])
+    grade = handler.grade(CHOICE, ["Answer: B\n\nOn reflection, the answer is C."], job_id="job-1")
     assert grade.details["extracted"] == "C"
     assert grade.reward == 0.0
 
@@ -224,50 +224,57 @@ def test_short_answers_are_normalised(given: str, normalized: str) -> None:
 
 
 def test_any_accepted_short_answer_is_correct(handler: StemHandler) -> None:
-    assert handler.grade(SHORT, ["Answer: Sodium"]).reward == 1.0
-    assert handler.grade(SHORT, ["Answer: Na"]).reward == 1.0
+    assert handler.grade(SHORT, ["Answer: Sodium"], job_id="job-1").reward == 1.0
+    assert handler.grade(SHORT, ["Answer: Na"], job_id="job-1").reward == 1.0
 
 
 def test_numbers_match_whatever_their_formatting(handler: StemHandler) -> None:
     task = with_fields(SHORT, answer="46")
-    assert handler.grade(task, ["There are 23 pairs. The answer is 46.0."]).reward == 1.0
+    assert (
+        handler.grade(task, ["There are 23 pairs. The answer is 46.0."], job_id="job-1").reward
+        == 1.0
+    )
 
 
 def test_answer_sentence_ends_the_short_answer(handler: StemHandler) -> None:
-    grade = handler.grade(SHORT, ["The answer is Na. It comes from the Latin natrium."])
+    grade = handler.grade(
+        SHORT, ["The answer is Na. It comes from the Latin natrium."], job_id="job-1"
+    )
     assert grade.details["extracted"] == "Na"
     assert grade.reward == 1.0
 
 
 def test_wrong_short_answer_gets_reward_zero(handler: StemHandler) -> None:
-    grade = handler.grade(SHORT, ["Answer: So"])
+    grade = handler.grade(SHORT, ["Answer: So"], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "incorrect"
 
 
 def test_episode_without_an_answer_gets_reward_zero_and_says_so(handler: StemHandler) -> None:
-    grade = handler.grade(CHOICE, ["Plants are green.", "Still thinking."])
+    grade = handler.grade(CHOICE, ["Plants are green.", "Still thinking."], job_id="job-1")
     assert grade.reward == 0.0
     assert grade.details["reason"] == "no_answer"
 
 
 def test_episode_without_assistant_turns_gets_reward_zero(handler: StemHandler) -> None:
-    assert handler.grade(SHORT, []).reward == 0.0
+    assert handler.grade(SHORT, [], job_id="job-1").reward == 0.0
 
 
 def test_last_turn_with_an_answer_is_graded(handler: StemHandler) -> None:
-    grade = handler.grade(CHOICE, ["Answer: A", "Answer: B", "Anything else?"])
+    grade = handler.grade(CHOICE, ["Answer: A", "Answer: B", "Anything else?"], job_id="job-1")
     assert grade.reward == 1.0
     assert grade.details["answer_turn"] == 1
 
 
 def test_grade_details_are_json_serialisable(handler: StemHandler) -> None:
     for task, text in ((CHOICE, "Answer: B"), (SHORT, "Answer: Na")):
-        details = handler.grade(task, [text]).details
+        details = handler.grade(task, [text], job_id="job-1").details
         assert json.loads(json.dumps(details)) == details
 
 
 def test_end_of_turn_token_in_the_text_is_not_part_of_the_answer(handler: StemHandler) -> None:
     # Backends asked to keep special tokens end the text with the chat template's <|im_end|>.
-    grade = handler.grade(SHORT, ["Sodium comes from natrium.\n\nAnswer: Na<|im_end|>"])
+    grade = handler.grade(
+        SHORT, ["Sodium comes from natrium.\n\nAnswer: Na<|im_end|>"], job_id="job-1"
+    )
     assert grade.reward == 1.0

@@ -20,23 +20,18 @@ from typing import Any
 import pytest
 
 from core.settings import get_settings
-from sandbox.base import remove_tree
 from sandbox.bwrap import BubblewrapBackend
 from sandbox.keeper import launch, release
+from sandbox.reaper import GRADING_DIR
+from sandbox.statedir import remove_tree
 from sandbox.toolclient import ToolClient
 from tests.sandbox_fixtures import find_job_processes
 from tests.test_demo import processes_mentioning
 from workers.handlers.base import TaskValidationError
 from workers.handlers.registry import get_handler
-from workers.handlers.swe import (
-    GRADING_DIR,
-    SOURCE_INSIDE,
-    SweEnvironmentError,
-    SweHandler,
-    grade_log,
-    read_task,
-    swebench_spec,
-)
+from workers.handlers.swe.grading import grade_log, swebench_spec
+from workers.handlers.swe.handler import SweHandler
+from workers.handlers.swe.task import SOURCE_INSIDE, SweEnvironmentError, read_task
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER = SweHandler()
@@ -123,7 +118,7 @@ def patch_from_edits(task: dict[str, Any], edits: tuple[Any, ...], tmp_path: Pat
 
 def grade(task: dict[str, Any], patch: str | None) -> Any:
     outcome = None if patch is None else {"patch": patch}
-    return HANDLER.grade(task, [], outcome=outcome)
+    return HANDLER.grade(task, [], outcome=outcome, job_id="swe-grade-test")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -435,7 +430,7 @@ def test_the_workspace_is_checked_out_and_the_diff_is_the_outcome(
     assert "+CENTURY = 100" in outcome["patch"]
     assert task["patch"].split("index ")[1].split("\n", 1)[1] in outcome["patch"]
     assert find_job_processes(job_id) == []
-    result = HANDLER.grade(task, [], outcome=outcome)
+    result = HANDLER.grade(task, [], outcome=outcome, job_id=job_id)
     assert result.reward == 1.0, result.details
 
 

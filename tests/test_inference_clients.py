@@ -17,10 +17,11 @@ import httpx
 import pytest
 
 from broker.processes import free_port
-from routing.clients import InferenceClient, make_client
-from routing.generate import VLLMGenerateClient
+from routing.clients import make_client
+from routing.protocol import Completion, InferenceClient
 from routing.sglang import SGLangClient
-from routing.vllm import BackendError, Completion, VLLMClient
+from routing.vllm import BackendError, VLLMClient
+from routing.vllm_generate import VLLMGenerateClient
 
 if TYPE_CHECKING:
     from tests.devserver_fixtures import DevBackend

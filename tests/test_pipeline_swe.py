@@ -17,10 +17,10 @@ import pytest
 from api.client import RolloutClient
 from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
+from sandbox.reaper import GRADING_DIR
 from tests.stack_fixtures import start_stack, wait_until
 from tests.test_demo import processes_mentioning
 from tests.test_handlers_swe import BUILDER, bwrap_problem
-from workers.handlers.swe import GRADING_DIR
 
 pytestmark = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")

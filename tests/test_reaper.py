@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from sandbox.base import meta_path
 from sandbox.reaper import ORPHAN_GRACE_SECONDS, list_sandboxes, reap
+from sandbox.statedir import meta_path
 
 if TYPE_CHECKING:
     from sandbox.bwrap import BubblewrapBackend

@@ -12,8 +12,9 @@ import redis
 from core.schemas import Backend, BackendSpec
 from routing.chat import ChatTemplater
 from routing.pool import BackendPool, NoHealthyBackendError
-from routing.vllm import BackendError, Completion
-from workers.routed import JobCancelled, RoutedPolicy, cache_salt
+from routing.protocol import Completion
+from routing.vllm import BackendError
+from workers.routed_policy import JobCancelled, RoutedPolicy, cache_salt
 
 
 class FakeClient:

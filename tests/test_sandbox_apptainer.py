@@ -27,7 +27,8 @@ import pytest
 
 from sandbox.apptainer import ApptainerBackend, ApptainerSandbox, image_cache_name
 from sandbox.backends import get_backend
-from sandbox.base import LABEL_ID, LABEL_JOB, Bind, SandboxError, SandboxSpec
+from sandbox.base import Bind, SandboxError, SandboxSpec
+from sandbox.procs import LABEL_ID, LABEL_JOB
 from sandbox.reaper import reap
 
 pytest_plugins = ["tests.sandbox_fixtures"]

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from sandbox.backends import get_backend
-from sandbox.base import LABEL_ID, LABEL_JOB, Bind, SandboxError, SandboxSpec, service_paths
+from sandbox.base import Bind, SandboxError, SandboxSpec
 from sandbox.bwrap import BubblewrapBackend, BubblewrapSandbox, Mount, filesystem_args
+from sandbox.procs import LABEL_ID, LABEL_JOB
+from sandbox.startup import service_paths
 
 if TYPE_CHECKING:
     from tests.sandbox_fixtures import SandboxFactory
@@ -264,7 +266,7 @@ def test_a_stop_while_start_waits_for_the_tool_server_ends_the_start(
     bwrap_sandbox: SandboxFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A tool server that never listens.
-    monkeypatch.setattr("sandbox.base.toolserver_argv", lambda *args: ["sleep", "1000"])
+    monkeypatch.setattr("sandbox.process.toolserver_argv", lambda *args: ["sleep", "1000"])
     box = bwrap_sandbox()
     failures: list[BaseException] = []
 

@@ -19,7 +19,8 @@ from core.settings import Settings, get_settings
 from tests.gateway_fixtures import serve
 from tests.test_api import field_locs, snapshot
 from workers.handlers.base import TaskValidationError
-from workers.handlers.swe import SweEnvironmentError, SweHandler, box_spec, read_task
+from workers.handlers.swe.handler import SweHandler
+from workers.handlers.swe.task import SweEnvironmentError, box_spec, read_task
 
 HANDLER = SweHandler()
 FIELD = "environment.repo_path"

@@ -5,34 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
-from routing.vllm import Completion, OutOfVocabularyError
+from routing.protocol import KnowsRefusedIds, PolicyClient
+from routing.vllm import OutOfVocabularyError
 from workers.handlers.base import Handler
 from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
-
-
-class PolicyClient(Protocol):
-    async def complete(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-    ) -> Completion: ...
-
-    async def max_model_len(self) -> int: ...
-
-
-@runtime_checkable
-class KnowsRefusedIds(Protocol):
-    """A policy client that may know which ids its backend refuses in a prompt (optional)."""
-
-    def first_refused(self, ids: list[int]) -> int | None: ...
 
 
 class Templater(Protocol):

@@ -28,45 +28,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery, Task
+from celery import Task
 from celery.signals import task_revoked
 from celery.worker.control import control_command
 
-from broker.dispatch import RELEASE_COMMAND, Dispatcher
 from broker.jobstore import JobNotFound, job_of_task
 from core.schemas import JobStatus
-from sandbox.base import process_matches, process_start_time
+from sandbox.procs import process_matches, process_start_time
 from sandbox.reaper import reap
-from workers.runtime import Runtime, get_runtime
+from workers.dispatch import RELEASE_COMMAND
+from workers.holdings import free
+from workers.process_state import Runtime, get_runtime
 
 log = logging.getLogger(__name__)
 
 STAGE_TASKS = frozenset({"rollserve.init", "rollserve.run", "rollserve.eval"})
 KILL_WAIT = 10.0
 """Seconds to wait for a terminated stage to stop before confirming anyway."""
-
-_dispatchers: dict[int, Dispatcher] = {}
-
-
-def dispatcher(rt: Runtime, app: Celery) -> Dispatcher:
-    """This process's dispatcher, installed on its job store (so ends recorded here refill a
-    dynamic batch or cancel its rest)."""
-    pid = os.getpid()
-    found = _dispatchers.get(pid)
-    if found is None or found.store is not rt.store:
-        settings = rt.settings
-        found = Dispatcher(
-            rt.store,
-            rt.pool,
-            app,
-            settings.node_name,
-            settings.cancel_grace,
-            settings.broker_send_timeout,
-        )
-        found.install()
-        _dispatchers.clear()
-        _dispatchers[pid] = found
-    return found
 
 
 def where(rt: Runtime) -> str:
@@ -75,17 +53,9 @@ def where(rt: Runtime) -> str:
     return f"{rt.settings.node_name}|{pid}|{process_start_time(pid) or ''}"
 
 
-def release_held(rt: Runtime, job_id: str) -> None:
-    """Free what an ended job may still hold here: its backend slot and its sandbox (when it
-    lives on this node; `release_sandbox` records it released)."""
-    rt.pool.release(job_id)
-    rt.release_sandbox(job_id)
-
-
 def tracked(task: Task, job_id: str, body: Callable[[], None]) -> None:
     """Run a stage task's `body` between the job store's stage marks (see the module doc)."""
     rt = get_runtime()
-    dispatcher(rt, task.app)
     task_id = str(task.request.id or "")
     try:
         began = rt.store.stage_begin(job_id, task_id, where(rt))
@@ -95,16 +65,16 @@ def tracked(task: Task, job_id: str, body: Callable[[], None]) -> None:
         return
     if not began:  # ended (cancelled) before this stage could start: nothing of it may stay
         task.request.chain = None
-        release_held(rt, job_id)
-        rt.store.stage_end(job_id, task_id)  # a mark left by a worker that died running it
+        rt.free(job_id, task_id)  # also a mark left by a worker that died running it
         return
     try:
         body()
     finally:
         try:
             if rt.store.status(job_id) is JobStatus.cancelled:  # other ends free their own
-                release_held(rt, job_id)
-            rt.store.stage_end(job_id, task_id)
+                rt.free(job_id, task_id)
+            else:
+                rt.store.stage_end(job_id, task_id)
         except Exception:
             log.exception("ending the stage mark of job %s failed", job_id)
 
@@ -137,7 +107,6 @@ def wait_stopped(rt: Runtime, job_id: str, task_id: str, mark: str) -> None:
     log.warning("job %s: task %s did not stop within %.0fs", job_id, task_id, KILL_WAIT)
 
 
-@task_revoked.connect
 def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     """In the worker's main process: a stage task of an ended job was killed, or dropped on
     receipt. Confirm the job stopped once what it held here is freed."""
@@ -155,12 +124,13 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
         if terminated and active is not None and active[0] == task_id:
             wait_stopped(rt, job_id, task_id, active[1])
         if not rt.job_live(job_id):
-            release_held(rt, job_id)
             if terminated and task_id.endswith("-init"):
                 # a box the killed INIT launched but had not recorded yet
                 state_root = rt.settings.sandbox_dir.resolve()
                 reap(state_root, lambda other: other != job_id)
-        rt.store.stage_end(job_id, task_id)
+            rt.free(job_id, task_id)
+        else:
+            rt.store.stage_end(job_id, task_id)
         log.info(
             "job %s: %s task %s stopped, freed in %.3fs",
             job_id,
@@ -174,23 +144,19 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
         log.exception("confirming the stop of job %s (task %s) failed", job_id, task_id)
 
 
-@control_command(
-    name=RELEASE_COMMAND,
-    args=[("job_ids", list)],
-    signature="<job id> ...",
-)
 def rollserve_release(state: Any, job_ids: list[str]) -> dict[str, str]:
     """Stop the sandboxes on this node of these ended jobs (asked by a canceller elsewhere)."""
     rt = get_runtime()
-    released = 0
-    for job_id in job_ids:
-        try:
-            if rt.job_live(job_id):
-                continue
-            record = rt.store.get(job_id, task=False)
-        except JobNotFound:
-            continue
-        if record.sandbox is not None and record.sandbox.get("host") == rt.settings.node_name:
-            rt.release_sandbox(job_id)
-            released += 1
-    return {"ok": f"released {released} sandbox(es)"}
+    ended = [job_id for job_id in job_ids if not rt.job_live(job_id)]
+    freed = free(rt.store, rt.pool, rt.settings.node_name, ended, slot=False)
+    return {"ok": f"released {len(freed.here)} sandbox(es)"}
+
+
+def connect_worker_hooks() -> None:
+    """Hook this module into the worker: `on_revoked` on Celery's `task_revoked` signal (in the
+    main process), `rollserve_release` as the remote-control command of that name. Called
+    once by the module that defines the stage tasks; connecting twice changes nothing."""
+    task_revoked.connect(on_revoked, weak=False, dispatch_uid="rollserve.on_revoked")
+    control_command(name=RELEASE_COMMAND, args=[("job_ids", list)], signature="<job id> ...")(
+        rollserve_release
+    )

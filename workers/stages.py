@@ -17,8 +17,8 @@ from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
 from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
-from workers.routed import JobCancelled, RoutedPolicy
-from workers.runtime import Runtime
+from workers.process_state import Runtime
+from workers.routed_policy import JobCancelled, RoutedPolicy
 from workers.trajectory import TrajectoryBuilder
 
 
@@ -180,13 +180,13 @@ def eval_stage(rt: Runtime, job_id: str) -> bool:
             with ToolClient(
                 record.sandbox["socket_path"], timeout=rt.settings.tool_timeout
             ) as tools:
-                grade = handler.grade(record.task, texts, tools, trajectory.outcome)
+                grade = handler.grade(record.task, texts, tools, trajectory.outcome, job_id=job_id)
         finally:
             rt.release_sandbox(job_id)
     else:
-        grade = handler.grade(record.task, texts, outcome=trajectory.outcome)
+        grade = handler.grade(record.task, texts, outcome=trajectory.outcome, job_id=job_id)
     trajectory.reward = float(grade.reward)
     trajectory.eval = grade.details
     rt.store.stage_finished(job_id, "eval", time.perf_counter() - started)
-    rt.store.finish(job_id, JobStatus.completed, trajectory)
+    rt.finish(job_id, JobStatus.completed, trajectory)
     return False

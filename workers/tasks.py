@@ -21,10 +21,12 @@ from routing.health import sweep, take_turn
 from sandbox.reaper import reap
 from workers import stages
 from workers.handlers.registry import get_handler, known_handlers
-from workers.lifecycle import tracked  # also registers the revoke handler and release command
-from workers.runtime import Runtime, get_runtime
+from workers.lifecycle import connect_worker_hooks, tracked
+from workers.process_state import Runtime, get_runtime
 
 log = logging.getLogger(__name__)
+
+connect_worker_hooks()
 
 
 def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, str], bool]) -> None:

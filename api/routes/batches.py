@@ -1,7 +1,7 @@
 """`/v1/batches`: groups of jobs, their progress and their results as a stream.
 
 A batch with `dynamic_sampling` draws groups from its tasks until `target_groups` informative
-groups are complete (see `broker/dapo.py`): `POST` answers with the first groups' jobs, the
+groups are complete (see `workers/dapo.py`): `POST` answers with the first groups' jobs, the
 results stream carries only the accepted groups' trajectories and ends once nothing of the
 batch runs any more, and the progress carries the sampling statistics under `dynamic`."""
 

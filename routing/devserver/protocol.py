@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.clients import template_tool
+from routing.chat import template_tool
 
 NonNegInt = Annotated[int, Field(ge=0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -203,5 +203,5 @@ def error_body(
 
 
 def tool_for_template(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool definition as vLLM hands it to the chat template (`routing.clients.template_tool`)."""
+    """A tool definition as vLLM hands it to the chat template (`routing.chat.template_tool`)."""
     return template_tool(tool)

@@ -3,7 +3,8 @@
 A handler turns a task dict (as the trainer sent it) into the first chat messages, decides
 after every assistant turn whether the episode is over, and grades the finished episode.
 Handler instances are shared by every job of a worker process and may be called from several
-threads at once, so they keep no per-job state.
+threads at once, so they keep no per-job state; what they read of the configuration (sandbox
+backend and directory, time limits) comes from the settings they are given.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from core.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from sandbox.base import SandboxSpec
@@ -64,6 +67,18 @@ class Handler(ABC):
     """EVAL grades in the job's own sandbox, so EVAL runs on that sandbox's host; otherwise
     the sandbox is stopped at the end of RUN (after `collect_outcome`) and EVAL runs anywhere."""
 
+    _settings: Settings | None = None
+
+    def __init__(self, *, settings: Settings | None = None) -> None:
+        """`settings`: what the handler reads its configuration from (None: the process's)."""
+        self._settings = settings
+
+    @property
+    def settings(self) -> Settings:
+        """The settings the handler was made with; for one made without (the registry's,
+        a plugin's), the process's `ROLLSERVE_*` settings as they are when it asks."""
+        return self._settings if self._settings is not None else get_settings()
+
     @abstractmethod
     def validate(self, task: dict[str, Any]) -> None:
         """Raise `TaskValidationError` naming the field if `task` cannot be run; else return."""
@@ -105,10 +120,13 @@ class Handler(ABC):
         assistant_texts: list[str],
         tools: ToolSession | None = None,
         outcome: dict[str, Any] | None = None,
+        *,
+        job_id: str,
     ) -> Grade:
         """Grade an episode from every assistant turn's text in order (possibly none), and the
         `outcome` collected at the end of RUN; with `grades_in_sandbox` the job's tool server
-        comes as `tools`."""
+        comes as `tools`. A box started to grade in carries `job_id`, the job's id, so the
+        reaper takes it if the grader dies (see `workers.handlers.gradingbox`)."""
 
 
 # ----------------------------------------------------------------------------- text helpers

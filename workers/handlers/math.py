@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from core.settings import Settings
 from workers.handlers.base import (
     Grade,
     Handler,
@@ -394,7 +395,10 @@ class MathHandler(Handler):
 
     name: ClassVar[str] = "math"
 
-    def __init__(self, limits: CheckLimits | None = None) -> None:
+    def __init__(
+        self, limits: CheckLimits | None = None, *, settings: Settings | None = None
+    ) -> None:
+        super().__init__(settings=settings)
         self.limits = limits or CheckLimits()
         self._isolated: IsolatedChecker | None = None
         self._isolated_lock = threading.Lock()
@@ -428,6 +432,8 @@ class MathHandler(Handler):
         assistant_texts: list[str],
         tools: ToolSession | None = None,
         outcome: dict[str, Any] | None = None,
+        *,
+        job_id: str,
     ) -> Grade:
         """Reward 1.0 when the last final answer of the episode equals the gold answer.
 

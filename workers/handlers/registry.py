@@ -12,11 +12,11 @@ import threading
 from importlib.metadata import entry_points
 
 from workers.handlers.base import Handler
-from workers.handlers.code import CodeHandler
+from workers.handlers.code.handler import CodeHandler
 from workers.handlers.math import MathHandler
 from workers.handlers.shell import ShellHandler
 from workers.handlers.stem import StemHandler
-from workers.handlers.swe import SweHandler
+from workers.handlers.swe.handler import SweHandler
 
 ENTRY_POINT_GROUP = "rollserve.handlers"
 BUILTIN_HANDLERS: dict[str, type[Handler]] = {

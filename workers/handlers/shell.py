@@ -132,6 +132,8 @@ class ShellHandler(Handler):
         assistant_texts: list[str],
         tools: ToolSession | None = None,
         outcome: dict[str, Any] | None = None,
+        *,
+        job_id: str,
     ) -> Grade:
         if tools is None:
             raise RuntimeError("a shell task is graded in its sandbox, and it has none")

@@ -331,6 +331,8 @@ class StemHandler(Handler):
         assistant_texts: list[str],
         tools: ToolSession | None = None,
         outcome: dict[str, Any] | None = None,
+        *,
+        job_id: str,
     ) -> Grade:
         """Reward 1.0 when the episode's last answer is the correct choice / an accepted answer."""
         parsed = read_task(task)

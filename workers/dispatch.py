@@ -2,8 +2,8 @@
 
 The gateway sends the jobs it creates and cancels on request; a worker whose job's end drew
 new groups for a dynamic batch sends them, and the worker whose job met the batch's target
-cancels the rest. Both go through one `Dispatcher`, which `install()` hooks into the job store
-so that every recorded end is followed up wherever it happens.
+cancels the rest. Both go through one `Dispatcher`, and every end the service records goes
+through `Dispatcher.finish`, so what an end sets in motion is followed up wherever it happens.
 
 Cancelling a job records it `cancelled` (exactly once, in the job store), revokes its queued
 stage tasks (dropped when a worker receives them), gives back its backend slot, stops its
@@ -34,9 +34,9 @@ from broker.jobstore import (
     JobStore,
     stage_task_ids,
 )
-from core.schemas import JobStatus, StageError
+from core.schemas import JobStatus, StageError, Trajectory
 from routing.pool import BackendPool
-from sandbox.keeper import release
+from workers.holdings import free
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,24 @@ class Dispatcher:
     send_timeout: float = 30.0
     """Seconds a sender waits for a connection to the broker before giving up."""
 
-    def install(self) -> Dispatcher:
-        """Follow up every job end recorded through `store` (refills, target cancellations)."""
-        self.store.followup = self.follow_up
-        return self
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        trajectory: Trajectory | None = None,
+        error: StageError | None = None,
+    ) -> bool:
+        """Record the job's end exactly once (False when it had ended already) and follow up
+        what it set in motion: the groups it drew are sent, the rest of a batch whose target
+        it met is cancelled."""
+        outcome = self.store.finish_outcome(job_id, status, trajectory, error)
+        if outcome.new_jobs or outcome.event == "target":
+            try:
+                self.follow_up(outcome)
+            except Exception:
+                # The end is recorded; unsent jobs are sent again by `recover` later.
+                log.exception("follow-up of job %s's end failed", job_id)
+        return outcome.recorded
 
     # ------------------------------------------------------------------ sending
     def send(
@@ -150,7 +164,7 @@ class Dispatcher:
             if record.status.terminal:
                 continue
             error = StageError(stage=record.status.value, type="cancelled", message=message)
-            if self.store.finish(job_id, JobStatus.cancelled, error=error):
+            if self.finish(job_id, JobStatus.cancelled, error=error):
                 cancelled.append(record)
         if not cancelled:
             return []
@@ -162,9 +176,7 @@ class Dispatcher:
         self.celery.control.revoke(
             [t for r in cancelled for t in r.task_ids.values() if t not in marked]
         )
-        for record in cancelled:
-            self.pool.release(record.job_id)
-        self.release_sandboxes([r.job_id for r in cancelled])
+        self.free([r.job_id for r in cancelled])
         deadline = time.monotonic() + self.grace
         while running and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -177,24 +189,18 @@ class Dispatcher:
             self.celery.control.revoke(tasks, terminate=True, signal="SIGTERM")
         return [r.job_id for r in cancelled]
 
-    def release_sandboxes(self, job_ids: Sequence[str]) -> None:
-        """Stop the sandboxes of these ended jobs: on this node directly, elsewhere through
-        the workers of their node."""
-        remote: list[str] = []
-        for job_id in job_ids:
-            try:
-                sandbox = self.store.get(job_id, task=False).sandbox
-            except JobNotFound:
-                continue
-            if sandbox is None:
-                continue
-            if sandbox.get("host") == self.node_name:
-                release(sandbox)
-                self.store.sandbox_released(job_id)
-            else:
-                remote.append(job_id)
-        if remote:
-            self.celery.control.broadcast(RELEASE_COMMAND, arguments={"job_ids": remote})
+    def free(self, job_ids: Sequence[str]) -> None:
+        """Free what these ended jobs hold: backend slots, and sandboxes — here when they live
+        on this node, elsewhere through the release broadcast to their node's workers."""
+        free(
+            self.store,
+            self.pool,
+            self.node_name,
+            job_ids,
+            elsewhere=lambda remote: self.celery.control.broadcast(
+                RELEASE_COMMAND, arguments={"job_ids": remote}
+            ),
+        )
 
     def cancel_batch(
         self, batch_id: str, message: str = "cancelled by request", token: str | None = None
@@ -221,9 +227,8 @@ class Dispatcher:
             stuck = self.store.stuck_stops(batch_id, stuck_after)
             if stuck:
                 log.warning("batch %s: taking %d unconfirmed stops as done", batch_id, len(stuck))
-                self.release_sandboxes(stuck)
+                self.free(stuck)
                 for job_id in stuck:
-                    self.pool.release(job_id)
                     self.store.force_stopped(job_id)
         claimed = self.store.claim_unsent(batch_id, older_than)
         if claimed:

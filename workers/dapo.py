@@ -1,17 +1,18 @@
 """DAPO dynamic sampling in the service: a batch's tasks are a pool from which groups are drawn
 until `target_groups` informative groups (not every reward equal) are complete.
 
-Nothing polls. The job store's finish script (`broker/jobstore.py`) sees a group's last job
-end, judges the group (accepted, filtered: uniform rewards, failed, cancelled, surplus: after
-the target), pushes a set-aside task back into the pool while it has attempts left, and draws
-new groups while fewer than `max_inflight_groups` are in flight — creating their jobs in the
-same atomic script, so two groups ending at once never overdraw. The process that recorded the
-end (the EVAL worker, or whoever cancelled or failed the job) sends the drawn jobs to Celery
-(`Dispatcher.follow_up`); the end that completes the `target_groups`-th accepted group flips
-the batch to `cancelling` in that same script, exactly once, and its process cancels every
-unfinished job of the batch (`Dispatcher.cancel_batch`). The batch is `done` when every
-cancelled job is confirmed stopped: its running stage ended or was killed (the worker's
-`task_revoked` handler) and its sandbox released (`workers/lifecycle.py`).
+Nothing polls. The job store's finish script (`broker/jobstore/lua/finish.lua`) sees a
+group's last job end, judges the group (accepted, filtered: uniform rewards, failed,
+cancelled, surplus: after the target), pushes a set-aside task back into the pool while it
+has attempts left, and draws new groups while fewer than `max_inflight_groups` are in flight —
+creating their jobs in the same atomic script, so two groups ending at once never overdraw.
+The process that recorded the end (the EVAL worker, or whoever cancelled or failed the job)
+sends the drawn jobs to Celery (`Dispatcher.finish` → `Dispatcher.follow_up`); the end that
+completes the `target_groups`-th accepted group flips the batch to `cancelling` in that same
+script, exactly once, and its process cancels every unfinished job of the batch
+(`Dispatcher.cancel_batch`). The batch is `done` when every cancelled job is confirmed
+stopped: its running stage ended or was killed (the worker's `task_revoked` handler) and its
+sandbox released (`workers/lifecycle.py`).
 
 A task's attempt `a` (0-based) samples with seeds `seed + a*group_size + i`, so a redraw is a
 fresh group rather than a replay of the set-aside one.
@@ -23,8 +24,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from broker.dispatch import Dispatcher, DispatchError
 from broker.jobstore import DynamicOptions, PoolTask
+from workers.dispatch import Dispatcher, DispatchError
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
+from celery import Celery
 
+from broker.celery_app import get_celery
 from broker.jobstore import JobNotFound, JobStore
-from core.schemas import Backend, JobStatus, StageError
+from core.schemas import Backend, JobStatus, StageError, Trajectory
 from core.settings import Settings, get_settings
 from routing.chat import ChatTemplater
-from routing.clients import InferenceClient, make_client
+from routing.clients import make_client
 from routing.pool import BackendPool
-from sandbox.keeper import release
+from routing.protocol import InferenceClient
+from workers.dispatch import Dispatcher
+from workers.holdings import free
 
 T = TypeVar("T")
 
@@ -30,6 +34,10 @@ class Runtime:
     settings: Settings
     store: JobStore
     pool: BackendPool
+    celery: Celery | None = None
+    """The Celery app ends are followed up through (the process's own, `get_celery()`, when
+    None)."""
+    _dispatcher: Dispatcher | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _clients: dict[str, tuple[str, InferenceClient, ChatTemplater]] = field(default_factory=dict)
 
@@ -69,24 +77,47 @@ class Runtime:
         except JobNotFound:
             return False
 
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Sends and stops jobs for this process; built on first use."""
+        if self._dispatcher is None:
+            self._dispatcher = Dispatcher(
+                self.store,
+                self.pool,
+                self.celery or get_celery(),
+                self.settings.node_name,
+                self.settings.cancel_grace,
+                self.settings.broker_send_timeout,
+            )
+        return self._dispatcher
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        trajectory: Trajectory | None = None,
+        error: StageError | None = None,
+    ) -> bool:
+        """Record the job's end exactly once and follow up what it set in motion (the groups
+        a dynamic batch drew are sent, the rest of a batch whose target it met is cancelled)."""
+        return self.dispatcher.finish(job_id, status, trajectory, error)
+
     def end_job(self, job_id: str, status: JobStatus, error: StageError | None) -> bool:
-        """End a job that will not complete (keeping its partial trajectory); free its backend
-        and stop its sandbox."""
+        """End a job that will not complete (keeping its partial trajectory) and free what it
+        holds."""
         try:
-            return self.store.finish(job_id, status, error=error)
+            return self.finish(job_id, status, error=error)
         finally:
-            self.pool.release(job_id)
-            self.release_sandbox(job_id)
+            self.free(job_id)
+
+    def free(self, job_id: str, task_id: str = "") -> None:
+        """Free what the job holds here: its backend slot, its sandbox when it lives on this
+        node (the reaper covers other nodes) and, with `task_id`, that stage task's mark."""
+        free(self.store, self.pool, self.settings.node_name, [job_id], task_id=task_id)
 
     def release_sandbox(self, job_id: str) -> None:
-        """Stop the job's sandbox if it has one on this host (the reaper covers other hosts)."""
-        try:
-            sandbox = self.store.get(job_id, task=False).sandbox
-        except JobNotFound:
-            return
-        if sandbox is not None and sandbox.get("host") == self.settings.node_name:
-            release(sandbox)
-            self.store.sandbox_released(job_id)  # a cancelled job's stop waits for this
+        """Stop the job's sandbox if it lives on this node (its stage is done with it)."""
+        free(self.store, self.pool, self.settings.node_name, [job_id], slot=False)
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None

@@ -19,14 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.vllm import (
-    BackendError,
-    Completion,
-    OutOfVocabularyError,
-    VLLMClient,
-    normalize_finish_reason,
-    request_id_header,
-)
+from routing.protocol import Completion, normalize_finish_reason
+from routing.vllm import BackendError, OutOfVocabularyError, VLLMClient, request_id_header
 
 GENERATE_PATH = "/inference/v1/generate"
 

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 from core.schemas import Backend
 from routing.chat import ChatTemplater
 from routing.pool import BackendPool, JobEnded, NoHealthyBackendError
-from routing.vllm import BackendError, Completion
+from routing.protocol import Completion
+from routing.vllm import BackendError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

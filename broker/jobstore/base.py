@@ -1,0 +1,87 @@
+"""What every concern of the job store shares: the Redis connection, key names and scripts."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from core.schemas import TERMINAL_STATUSES
+
+TERMINAL = ",".join(sorted(s.value for s in TERMINAL_STATUSES))
+"""The final statuses as the scripts take them (comma-separated)."""
+
+
+@cache
+def lua(name: str) -> str:
+    """The text of the script `lua/{name}.lua`, shipped with the package."""
+    return (resources.files("broker.jobstore") / "lua" / f"{name}.lua").read_text()
+
+
+def text(value: Any) -> str:
+    """A Redis reply (bytes, or text from a decoding client) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class StoreBase:
+    """One Redis connection, the keys under `prefix` and the registered Lua scripts."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "rs:", ttl: int = 7 * 86400) -> None:
+        self.r = client
+        self.p = prefix
+        self.ttl = ttl
+        self._transition = self._script("transition")
+        self._save_partial = self._script("save_partial")
+        self._finish = self._script("finish", lib=True)
+        self._draw = self._script("draw", lib=True)
+        self._stage_begin = self._script("stage_begin")
+        self._stage_end = self._script("stage_end", lib=True)
+        self._cancel_begin = self._script("cancel_begin", lib=True)
+        self._cancel_end = self._script("cancel_end", lib=True)
+        self._claim_unsent = self._script("claim_unsent")
+
+    def _script(self, name: str, *, lib: bool = False) -> Script:
+        """Register `lua/{name}.lua`; with `lib`, after the shared helpers of `lua/lib.lua`."""
+        return self.r.register_script((lua("lib") if lib else "") + lua(name))
+
+    # ------------------------------------------------------------------ keys
+    def _job(self, job_id: str) -> str:
+        return f"{self.p}job:{job_id}"
+
+    def _traj(self, job_id: str) -> str:
+        return f"{self.p}traj:{job_id}"
+
+    def _batch(self, batch_id: str) -> str:
+        return f"{self.p}batch:{batch_id}"
+
+    def _batch_stream(self, batch_id: str) -> str:
+        return f"{self.p}batch:{batch_id}:done"
+
+    def _batch_jobs(self, batch_id: str) -> str:
+        return f"{self.p}batch:{batch_id}:jobs"
+
+    def _wake(self, job_id: str) -> str:
+        return f"{self.p}wake:{job_id}"
+
+    def _group(self, group_id: str) -> str:
+        return f"{self.p}group:{group_id}"
+
+    def _bkey(self, batch_id: str, part: str) -> str:
+        return f"{self.p}batch:{batch_id}:{part}"
+
+    @property
+    def _counts(self) -> str:
+        return f"{self.p}counts"
+
+    @property
+    def _done(self) -> str:
+        return f"{self.p}done"
+
+    def _hist(self, stage: str) -> str:
+        return f"{self.p}hist:{stage}"
+
+    def _tenant_live(self, tenant: str) -> str:
+        return f"{self.p}tenant:{tenant}:live"

@@ -1,0 +1,367 @@
+"""Job records and trajectories: creation and deletion, reads, state transitions, the end.
+
+Every write that decides a job's fate is one Lua script (`lua/transition.lua`,
+`lua/save_partial.lua`, `lua/finish.lua`), so a stage that runs twice (after a redelivery) or
+a cancel racing a finishing worker cannot record a job twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from broker.jobstore.base import TERMINAL, StoreBase, text
+from broker.jobstore.model import FinishOutcome, JobNotFound, JobRecord, JobSpec
+from core.schemas import STAGES, JobStatus, StageError, Timing, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Records(StoreBase):
+    """Job records and trajectories."""
+
+    def job_key(self, job_id: str) -> str:
+        """The Redis hash of the job's record (its `status` field says where it is)."""
+        return self._job(job_id)
+
+    # ------------------------------------------------------------------ creation
+    def create_jobs(
+        self,
+        specs: Sequence[JobSpec],
+        *,
+        batch_id: str | None = None,
+        group_size: int = 1,
+        tenant: str = "",
+    ) -> None:
+        """Write all job records (and the batch's) in one transaction, status `queued`.
+
+        A batch's task is stored once per group (in the group's hash), not in every job of
+        it. With a `tenant`, the jobs count against its unfinished jobs until they end."""
+        now = time.time()
+        pipe = self.r.pipeline(transaction=True)
+        groups: dict[str, int] = {}
+        group_tasks: dict[str, str] = {}
+        for spec in specs:
+            groups[spec.group_id] = groups.get(spec.group_id, 0) + 1
+            if batch_id is not None:
+                group_tasks.setdefault(spec.group_id, json.dumps(spec.task))
+                where: dict[str | bytes, str] = {
+                    "task_key": self._group(spec.group_id),
+                    "task_field": "task_json",
+                }
+            else:
+                where = {"task": json.dumps(spec.task)}
+            pipe.hset(
+                self._job(spec.job_id),
+                mapping={
+                    **where,
+                    "tenant": tenant,
+                    "job_id": spec.job_id,
+                    "status": JobStatus.queued.value,
+                    "data_source": spec.data_source,
+                    "instance_id": spec.instance_id,
+                    "group_id": spec.group_id,
+                    "sample_index": spec.sample_index,
+                    "batch_id": spec.batch_id or "",
+                    "sampling": json.dumps(spec.sampling),
+                    "agent": json.dumps(spec.agent),
+                    "task_ids": json.dumps(spec.task_ids),
+                    "created_at": now,
+                    "t_queued": now,
+                },
+            )
+            pipe.expire(self._job(spec.job_id), self.ttl)
+        pipe.hincrby(self._counts, JobStatus.queued.value, len(specs))
+        if tenant and specs:
+            pipe.sadd(self._tenant_live(tenant), *[s.job_id for s in specs])
+            pipe.expire(self._tenant_live(tenant), self.ttl)
+        if batch_id is not None:
+            pipe.hset(
+                self._batch(batch_id),
+                mapping={
+                    "batch_id": batch_id,
+                    "total": len(specs),
+                    "group_size": group_size,
+                    "groups_total": len(groups),
+                    "groups_finished": 0,
+                    "finished": 0,
+                    "created_at": now,
+                },
+            )
+            pipe.rpush(self._batch_jobs(batch_id), *[s.job_id for s in specs])
+            for key in (self._batch(batch_id), self._batch_jobs(batch_id)):
+                pipe.expire(key, self.ttl)
+            for group_id, size in groups.items():
+                pipe.hset(
+                    self._group(group_id),
+                    mapping={"size": size, "finished": 0, "task_json": group_tasks[group_id]},
+                )
+                pipe.expire(self._group(group_id), self.ttl)
+        pipe.execute()
+
+    def delete_jobs(
+        self, specs: Iterable[JobSpec], batch_id: str | None = None, tenant: str = ""
+    ) -> None:
+        """Undo `create_jobs` when enqueueing failed, so nothing half-made is left behind."""
+        specs = list(specs)
+        pipe = self.r.pipeline(transaction=True)
+        for spec in specs:
+            pipe.delete(self._job(spec.job_id))
+        pipe.hincrby(self._counts, JobStatus.queued.value, -len(specs))
+        if tenant and specs:
+            pipe.srem(self._tenant_live(tenant), *[s.job_id for s in specs])
+        if batch_id is not None:
+            pipe.delete(self._batch(batch_id), self._batch_jobs(batch_id))
+            for group_id in {s.group_id for s in specs}:
+                pipe.delete(self._group(group_id))
+        pipe.execute()
+
+    # ------------------------------------------------------------------ reads
+    def get(self, job_id: str, *, task: bool = True) -> JobRecord:
+        """The job's record; with `task=False` its `task` is left empty (one read less)."""
+        raw = self.r.hgetall(self._job(job_id))
+        if not raw:
+            raise JobNotFound(job_id)
+        h = {text(k): text(v) for k, v in raw.items()}
+        if not task:
+            h["task"] = "{}"
+        elif "task" not in h:
+            # stored once for the job's group (or a dynamic batch's pool); gone only when
+            # the record has outlived it
+            h["task"] = text(self.r.hget(h.get("task_key", ""), h.get("task_field", "")) or "{}")
+        times = {k[2:]: float(v) for k, v in h.items() if k.startswith("t_") and v}
+        durations = {k[4:]: float(v) for k, v in h.items() if k.startswith("dur_") and v}
+        return JobRecord(
+            job_id=h["job_id"],
+            status=JobStatus(h["status"]),
+            task=json.loads(h["task"]),
+            data_source=h["data_source"],
+            instance_id=h["instance_id"],
+            group_id=h["group_id"],
+            sample_index=int(h.get("sample_index", 0)),
+            batch_id=h.get("batch_id") or None,
+            sampling=json.loads(h["sampling"]),
+            agent=json.loads(h["agent"]),
+            task_ids=json.loads(h["task_ids"]),
+            created_at=float(h["created_at"]),
+            times=times,
+            durations=durations,
+            backend_id=h.get("backend_id") or None,
+            policy_version=int(h["policy_version"]) if h.get("policy_version") else None,
+            error=StageError.model_validate_json(h["error"]) if h.get("error") else None,
+            context=json.loads(h["context"]) if h.get("context") else None,
+            sandbox=json.loads(h["sandbox"]) if h.get("sandbox") else None,
+            hosts={k[5:]: v for k, v in h.items() if k.startswith("host_")},
+        )
+
+    def live_job_ids(self, job_ids: Iterable[str]) -> list[str]:
+        """Those of `job_ids` that exist and have not ended, in order (pipelined reads)."""
+        ids = list(job_ids)
+        live: list[str] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.hget(self._job(job_id), "status")
+            for job_id, raw in zip(chunk, pipe.execute(), strict=True):
+                if raw is not None and not JobStatus(text(raw)).terminal:
+                    live.append(job_id)
+        return live
+
+    def unfinished(self, tenant: str, recount: bool = False) -> int:
+        """How many of the tenant's jobs have not ended. With `recount`, jobs whose record
+        expired or was deleted without an end are dropped from the count first."""
+        key = self._tenant_live(tenant)
+        if recount:
+            members = [text(m) for m in self.r.sscan_iter(key, count=1000)]
+            for start in range(0, len(members), 1000):
+                chunk = members[start : start + 1000]
+                alive = self.live(chunk)
+                gone = [m for m in chunk if m not in alive]
+                if gone:
+                    self.r.srem(key, *gone)
+        return int(self.r.scard(key))
+
+    def status(self, job_id: str) -> JobStatus:
+        raw = self.r.hget(self._job(job_id), "status")
+        if raw is None:
+            raise JobNotFound(job_id)
+        return JobStatus(text(raw))
+
+    def live(self, job_ids: Iterable[str]) -> set[str]:
+        """Those of `job_ids` whose record exists and has not reached a final status (one
+        round trip)."""
+        ids = list(job_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self._job(job_id), "status")
+        return {
+            job_id
+            for job_id, raw in zip(ids, pipe.execute(), strict=True)
+            if raw is not None and not JobStatus(text(raw)).terminal
+        }
+
+    def trajectory(self, job_id: str) -> Trajectory:
+        """The stored trajectory (final, or partial so far), or a skeleton from the record."""
+        raw = self.r.get(self._traj(job_id))
+        record = self.get(job_id, task=False)
+        traj = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
+        # The record is authoritative for status, error and timing; the trajectory may lag it.
+        traj.status = record.status
+        if record.error is not None:
+            traj.error = record.error
+        traj.timing = self.timing(record, traj.timing)
+        traj.finished_at = record.times.get("end")
+        traj.hosts = record.hosts
+        return traj
+
+    def skeleton(self, record: JobRecord) -> Trajectory:
+        """An empty trajectory carrying the job's ids."""
+        return Trajectory(
+            job_id=record.job_id,
+            group_id=record.group_id,
+            batch_id=record.batch_id,
+            instance_id=record.instance_id,
+            data_source=record.data_source,
+            sample_index=record.sample_index,
+            status=record.status,
+            backend_id=record.backend_id,
+            policy_version=record.policy_version,
+            created_at=record.created_at,
+            error=record.error,
+        )
+
+    @staticmethod
+    def timing(record: JobRecord, base: Timing | None = None) -> Timing:
+        """Stage seconds from the record; queue time is the rest of the job's wall time."""
+        timing = (base or Timing()).model_copy()
+        for stage in STAGES:
+            if stage in record.durations:
+                setattr(timing, stage, record.durations[stage])
+        end = record.times.get("end")
+        if end is not None:
+            in_stages = sum(record.durations.get(s, 0.0) for s in STAGES)
+            timing.queue = max(0.0, end - record.created_at - in_stages)
+        return timing
+
+    # ------------------------------------------------------------------ writes
+    def transition(self, job_id: str, status: JobStatus, host: str = "") -> bool:
+        """Move a live job to `status`, noting the `host` that runs the stage; False if it is
+        finished already (or already there)."""
+        result = self._transition(
+            keys=[self._job(job_id), self._counts],
+            args=[status.value, time.time(), TERMINAL, host],
+        )
+        if result == -1:
+            raise JobNotFound(job_id)
+        return bool(result == 1)
+
+    def set_fields(self, job_id: str, **fields: Any) -> None:
+        """Record side facts of a live job (backend, policy version, context)."""
+        mapping: dict[str | bytes, str | int | float] = {
+            k: json.dumps(v) if isinstance(v, dict | list) else ("" if v is None else v)
+            for k, v in fields.items()
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self._job(job_id), mapping=mapping)
+        if "sandbox" in fields:  # a new box (e.g. a redelivered INIT's) is not released yet
+            pipe.hdel(self._job(job_id), "sandbox_released")
+        pipe.execute()
+
+    def save_partial(self, job_id: str, trajectory: Trajectory) -> bool:
+        """Store the trajectory so far, unless the job has finished meanwhile."""
+        result = self._save_partial(
+            keys=[self._job(job_id), self._traj(job_id)],
+            args=[trajectory.model_dump_json(), self.ttl, TERMINAL],
+        )
+        return bool(result == 1)
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        trajectory: Trajectory | None = None,
+        error: StageError | None = None,
+    ) -> bool:
+        """Record the job's end exactly once. Returns False when it had already ended.
+
+        Without a trajectory, the partial one stored so far (or an empty one) is kept. What the
+        end set in motion for a dynamic batch (groups drawn, the target met) is left to the
+        caller: `finish_outcome` returns it, and the workers' dispatcher follows it up.
+        """
+        return self.finish_outcome(job_id, status, trajectory, error).recorded
+
+    def finish_outcome(
+        self,
+        job_id: str,
+        status: JobStatus,
+        trajectory: Trajectory | None = None,
+        error: StageError | None = None,
+    ) -> FinishOutcome:
+        """`finish` without the follow-up: what the end set in motion is returned."""
+        if not status.terminal:
+            raise ValueError(f"{status} is not a final status")
+        record = self.get(job_id, task=False)
+        if record.status.terminal:
+            return FinishOutcome(job_id, recorded=False, batch_id=record.batch_id)
+        if trajectory is None:
+            raw = self.r.get(self._traj(job_id))
+            trajectory = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
+        trajectory.status = status
+        trajectory.error = error
+        now = time.time()
+        trajectory.finished_at = now
+        record.times["end"] = now
+        trajectory.timing = self.timing(record, trajectory.timing)
+        reward = "" if trajectory.reward is None else repr(float(trajectory.reward))
+        batch = record.batch_id
+        result = self._finish(
+            keys=[
+                self._job(job_id),
+                self._traj(job_id),
+                self._counts,
+                self._done,
+                self._batch(batch) if batch else "",
+                self._batch_stream(batch) if batch else "",
+                self._group(record.group_id),
+                self._wake(job_id),
+            ],
+            args=[
+                status.value,
+                now,
+                trajectory.model_dump_json(),
+                reward,
+                self.ttl,
+                TERMINAL,
+                error.model_dump_json() if error else "",
+                self.p,
+            ],
+        )
+        if int(result[0]) == -1:
+            raise JobNotFound(job_id)
+        return FinishOutcome(
+            job_id,
+            recorded=int(result[0]) == 1,
+            batch_id=batch,
+            event=text(result[1]) if len(result) > 1 else "",
+            new_jobs=[text(x) for x in result[2:]],
+        )
+
+    def wait(self, job_id: str, timeout: float) -> JobStatus:
+        """Block until the job has finished or `timeout` seconds passed; returns its status."""
+        deadline = time.monotonic() + timeout
+        status = self.status(job_id)
+        while not status.terminal:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # Short blocks keep each call under the client's socket timeout.
+            woke = self.r.blpop([self._wake(job_id)], timeout=min(left, 1.0))
+            if woke is not None:
+                # Put the token back so every other waiter on this job wakes too.
+                self.r.lpush(self._wake(job_id), woke[1])
+            status = self.status(job_id)
+        return status

@@ -1,0 +1,294 @@
+"""`swe` tasks: the SWE-bench instance record, checked, and the box its repository is worked in.
+
+A task is a SWE-bench instance record (`instance_id`, `repo`, `base_commit`,
+`problem_statement`, `patch`, `test_patch`, `FAIL_TO_PASS`, `PASS_TO_PASS` as lists or as
+JSON strings of lists, `version`) with `data_source: "swe"` and where its environment comes
+from, `environment`:
+
+- `{"repo_path": "/abs/path/to/a/git/repo", "python": "/abs/bin/python", "test_cmd": "..."}`
+  for boxes on the host's root (bwrap): the repository is bound read-only into the box at
+  `/rollserve/source` and cloned from there. `python` (default: the service's own
+  interpreter, which has pytest) comes first on the box's PATH; `test_cmd` (default
+  `<python> -m pytest -rA`) is followed by the test files to run.
+- `{"image": "/abs/x.sif" or "docker://...", "repo_path": "/testbed", ...}` for boxes with
+  a root of their own (apptainer): `repo_path` is then a path inside the image (default
+  `/testbed`, as in the SWE-bench images).
+
+Optional task fields: `timeout` (seconds for setting up and for grading; default the
+`tool_timeout` setting), and, as in the SWE-bench 5 records, `log_parser` (a name of
+swebench's `PARSER_REGISTRY`, default `parse_log_pytest`) and `eval_type`.
+
+The agent can read the repository it is cloned from (`/rollserve/source`), so a repository
+given as `repo_path` should hold no commit past `base_commit`.
+
+Host repositories come only from the directories the operator names in
+`ROLLSERVE_SWE_REPO_ROOTS` (none by default: such tasks are refused until it is set). A
+`repo_path` is resolved (symlinks, `..`) before it is checked (`allowed_repo_path`), at
+submission and again on the worker, which binds the resolved path; below its root no
+component may be hidden (start with `.`), and nothing is taken from `REFUSED_TREES` or the
+service's data and sandbox directories, whatever the roots say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.schemas import json_problem
+from core.settings import Settings
+from sandbox.base import DEFAULT_PATH, Bind, SandboxSpec
+from workers.handlers.base import TaskValidationError, required_text
+
+SOURCE_INSIDE = "/rollserve/source"
+"""Where a host repository (`environment.repo_path`) is bound in the box, read-only."""
+IMAGE_REPO = "/testbed"
+"""Where the repository is in an image when `environment.repo_path` does not say."""
+
+REFUSED_TREES = ("/proc", "/sys", "/dev", "/etc", "/boot", "/run", "/var/run")
+"""Host trees no repository is taken from, whatever `ROLLSERVE_SWE_REPO_ROOTS` says."""
+
+_COMMIT = re.compile(r"[0-9a-fA-F]{7,40}")
+MAX_TIMEOUT = 3600.0
+"""Longest `timeout` a task may give, in seconds."""
+_EVAL_TYPES = ("pass_and_fail", "fail_only")
+
+
+@functools.cache
+def _parser_names() -> frozenset[str]:
+    """The names in swebench's `PARSER_REGISTRY` (imported once, on first need: ~1 s)."""
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+
+    return frozenset(PARSER_REGISTRY)
+
+
+class SweEnvironmentError(RuntimeError):
+    """The task's environment is unusable (the repository cannot be cloned or checked out);
+    the job fails rather than scoring the model for it."""
+
+
+@dataclass(frozen=True)
+class SweTask:
+    """A `swe` task as the handler uses it (see the module docstring)."""
+
+    instance_id: str
+    repo: str
+    version: str
+    base_commit: str
+    problem_statement: str
+    test_patch: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    source: str
+    """Where the repository to clone is, as the box sees it."""
+    host_repo: Path | None
+    """The host repository bound into the box (None when it comes with the image)."""
+    image: str | None
+    python: str
+    test_cmd: str
+    log_parser: str
+    eval_type: str
+    timeout: float | None
+    default_python: bool = field(default=False)
+    """`python` is the service's interpreter rather than the task's."""
+
+
+def _test_list(task: dict[str, Any], key: str, *, non_empty: bool) -> list[str]:
+    value = task.get(key)
+    if value is None:
+        raise TaskValidationError(key, "is required")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise TaskValidationError(key, f"is a string but not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise TaskValidationError(key, "must be a list of test names (or a JSON string of one)")
+    if json_problem(value) is not None:
+        raise TaskValidationError(key, "holds a test name that is not valid Unicode text")
+    if non_empty and not value:
+        raise TaskValidationError(key, "must name at least one test")
+    return list(value)
+
+
+def _absolute_path(environment: dict[str, Any], key: str) -> str | None:
+    value = environment.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise TaskValidationError(f"environment.{key}", "must be an absolute path")
+    return value
+
+
+def allowed_repo_path(repo_path: Path | str, settings: Settings) -> Path:
+    """The real path of a host repository (symlinks and `..` resolved) when the policy of
+    `settings` allows it (see the module docstring); a `TaskValidationError` naming
+    `environment.repo_path` otherwise. The message never shows where a symlink leads."""
+    roots = settings.swe_repo_root_list
+    name = "environment.repo_path"
+    if not roots:
+        raise TaskValidationError(
+            name,
+            "names a host repository, and none is allowed: set ROLLSERVE_SWE_REPO_ROOTS (on "
+            "the gateway and the workers) to the directories repositories may come from",
+        )
+    real = Path(os.path.realpath(repo_path))
+    root = next((r for r in roots if real.is_relative_to(r)), None)
+    if root is None:
+        raise TaskValidationError(
+            name, "is not under a directory ROLLSERVE_SWE_REPO_ROOTS allows (once resolved)"
+        )
+    if any(part.startswith(".") for part in real.relative_to(root).parts):
+        raise TaskValidationError(name, "is in a hidden directory (a name starting with .)")
+    service_dirs = (settings.data_dir, settings.sandbox_dir)
+    for tree in (*REFUSED_TREES, *(os.path.realpath(d) for d in service_dirs)):
+        if real.is_relative_to(os.path.realpath(tree)):
+            raise TaskValidationError(name, f"is in {tree}, which no repository is taken from")
+    return real
+
+
+def read_task(task: dict[str, Any]) -> SweTask:
+    """The task's fields, checked; a `TaskValidationError` names the first bad one."""
+    instance_id = required_text(task, "instance_id")
+    repo = required_text(task, "repo")
+    base_commit = required_text(task, "base_commit").strip()
+    if not _COMMIT.fullmatch(base_commit):
+        raise TaskValidationError("base_commit", "must be a commit hash (7 to 40 hex digits)")
+    problem_statement = required_text(task, "problem_statement")
+    version = task.get("version", "")
+    if not isinstance(version, str | int | float) or isinstance(version, bool):
+        raise TaskValidationError("version", "must be a string")
+    test_patch = task.get("test_patch")
+    if not isinstance(test_patch, str):
+        raise TaskValidationError("test_patch", "must be a string (a unified diff)")
+    if not isinstance(task.get("patch", ""), str):
+        raise TaskValidationError("patch", "must be a string (a unified diff)")
+    fail_to_pass = _test_list(task, "FAIL_TO_PASS", non_empty=True)
+    pass_to_pass = _test_list(task, "PASS_TO_PASS", non_empty=False)
+
+    environment = task.get("environment")
+    if not isinstance(environment, dict):
+        raise TaskValidationError(
+            "environment", 'must be an object: {"repo_path": ...} or {"image": ...}'
+        )
+    image = environment.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise TaskValidationError("environment.image", "must be a non-empty string")
+    if image is not None and (
+        image.startswith("instance://")
+        or not (os.path.isabs(image) or re.match(r"[a-z][a-z0-9+.-]*://.", image))
+    ):
+        raise TaskValidationError(
+            "environment.image", "must be an absolute path or an image URI (docker://...)"
+        )
+    repo_path = _absolute_path(environment, "repo_path")
+    if image is None and repo_path is None:
+        raise TaskValidationError(
+            "environment", "needs repo_path (a git repository on the host) or an image"
+        )
+    python = _absolute_path(environment, "python")
+    test_cmd = environment.get("test_cmd")
+    if test_cmd is not None and (not isinstance(test_cmd, str) or not test_cmd.strip()):
+        raise TaskValidationError("environment.test_cmd", "must be a non-empty string")
+
+    timeout = task.get("timeout")
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
+    ):
+        raise TaskValidationError("timeout", "must be a positive number of seconds")
+    if timeout is not None and not timeout <= MAX_TIMEOUT:
+        raise TaskValidationError("timeout", f"must be at most {MAX_TIMEOUT:g} seconds")
+    log_parser = task.get("log_parser") or "parse_log_pytest"
+    if not isinstance(log_parser, str) or not log_parser.startswith("parse_log_"):
+        raise TaskValidationError("log_parser", "must name a swebench log parser (parse_log_*)")
+    if log_parser != "parse_log_pytest" and log_parser not in _parser_names():
+        raise TaskValidationError("log_parser", f"swebench has no parser {log_parser!r}")
+    eval_type = task.get("eval_type") or None
+    if eval_type is not None and eval_type not in _EVAL_TYPES:
+        raise TaskValidationError("eval_type", f"must be one of {', '.join(_EVAL_TYPES)}")
+
+    default_python = python is None and image is None
+    if python is None:
+        python = "python" if image is not None else sys.executable
+    return SweTask(
+        instance_id=instance_id,
+        repo=repo,
+        version=str(version),
+        base_commit=base_commit,
+        problem_statement=problem_statement,
+        test_patch=test_patch,
+        fail_to_pass=fail_to_pass,
+        pass_to_pass=pass_to_pass,
+        source=(repo_path or IMAGE_REPO) if image is not None else SOURCE_INSIDE,
+        host_repo=None if image is not None or repo_path is None else Path(repo_path),
+        image=image,
+        python=python,
+        test_cmd=test_cmd or f"{shlex.quote(python)} -m pytest -rA",
+        log_parser=log_parser,
+        eval_type=eval_type or "",
+        timeout=None if timeout is None else float(timeout),
+        default_python=default_python,
+    )
+
+
+def checked_on_worker(task: SweTask, settings: Settings) -> SweTask:
+    """`task` with its host repository checked again against this worker's policy
+    (`allowed_repo_path`) and resolved, ready for `box_spec`; raises `SweEnvironmentError`
+    saying why when the policy refuses it."""
+    if task.host_repo is None:
+        return task
+    try:
+        repo = allowed_repo_path(task.host_repo, settings)
+    except TaskValidationError as exc:
+        raise SweEnvironmentError(f"{exc.field} {exc.message}") from None
+    return dataclasses.replace(task, host_repo=repo)
+
+
+def box_spec(task: SweTask, job_id: str, *, lease_seconds: float = 3600.0) -> SandboxSpec:
+    """The box a task's repository is worked on and tested in: a host repository is bound by
+    its real path, once the policy allowed it (`checked_on_worker`).
+
+    Raises `SweEnvironmentError` when `environment.repo_path` is not a git repository here.
+    """
+    binds = []
+    if task.host_repo is not None:
+        repo = Path(os.path.realpath(task.host_repo))
+        if not ((repo / ".git").exists() or (repo / "HEAD").is_file()):
+            raise SweEnvironmentError(f"environment.repo_path {repo} is not a git repository here")
+        binds.append(Bind(repo, SOURCE_INSIDE))
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}  # no stray .pyc files in the diff
+    if os.path.isabs(task.python):
+        env["PATH"] = f"{os.path.dirname(task.python)}:{DEFAULT_PATH}"
+    if task.default_python:
+        # The service's interpreter brings the service's pytest plugins, which are no part
+        # of the repository's test environment.
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return SandboxSpec(
+        job_id=job_id, root=task.image, binds=binds, env=env, lease_seconds=lease_seconds
+    )
+
+
+def checkout_script(task: SweTask) -> str:
+    """Bash that clones the repository into the current (empty) directory at
+    `base_commit`, on a branch of the source's HEAD name, with no remote left."""
+    source = shlex.quote(task.source)
+    return "\n".join(
+        [
+            "set -e",
+            # The source belongs to another uid than the box's: git refuses it otherwise.
+            "git config --global --add safe.directory '*'",
+            "git config --global user.name agent",
+            "git config --global user.email agent@rollserve.invalid",
+            f"git clone -q --shared --no-checkout {source} .",
+            'branch="$(git symbolic-ref --quiet --short HEAD || echo main)"',
+            f'git -c advice.detachedHead=false checkout -q -B "$branch" {task.base_commit}',
+            "git remote remove origin",
+        ]
+    )

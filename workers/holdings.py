@@ -1,0 +1,77 @@
+"""What a job holds, and the one function that frees it.
+
+A job may hold three things while it lives: a slot of an inference backend (its sticky
+assignment in the pool), a sandbox (a box and its keeper on the node whose INIT started it)
+and the mark of its running stage task in the job store. Every path that ends or stops a job
+— an end recorded by a stage, a failure or a time-out, a cancel, a stage task revoked or
+killed, the release broadcast from another node — and every stage that is done with the job's
+box frees them through `free`, so no path forgets one of them.
+
+Each step is safe to repeat: the pool gives a slot back once, a stopped box stays stopped, a
+stage mark is cleared only while it is still that task's. What `free` stops is recorded in the
+job store (`sandbox_released`, `stage_end`), whose scripts confirm a cancelled job's stop once
+nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from broker.jobstore import JobNotFound, JobStore
+from routing.pool import BackendPool
+from sandbox.keeper import release
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Freed:
+    """Whose sandbox `free` stopped here, and whose lives on another node."""
+
+    here: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)
+
+
+def free(
+    store: JobStore,
+    pool: BackendPool,
+    node: str,
+    job_ids: Iterable[str],
+    *,
+    slot: bool = True,
+    sandbox: bool = True,
+    task_id: str = "",
+    elsewhere: Callable[[list[str]], None] | None = None,
+) -> Freed:
+    """Free what these jobs hold.
+
+    - `slot`: give back each job's backend slot;
+    - `sandbox`: stop each job's sandbox when it lives on `node` (this process's node) and
+      record it released; a sandbox on another node is handed to `elsewhere` (the release
+      broadcast to that node's workers), or left to that node's reaper without it;
+    - `task_id`: clear the stage mark of that task (once it has stopped).
+
+    Returns whose sandbox was stopped here and whose lives on another node.
+    """
+    freed = Freed()
+    for job_id in job_ids:
+        if slot:
+            pool.release(job_id)
+        if sandbox:
+            try:
+                kept = store.get(job_id, task=False).sandbox
+            except JobNotFound:
+                kept = None
+            if kept is not None and kept.get("host") == node:
+                release(kept)
+                store.sandbox_released(job_id)  # a cancelled job's stop waits for this
+                freed.here.append(job_id)
+            elif kept is not None:
+                freed.elsewhere.append(job_id)
+        if task_id:
+            store.stage_end(job_id, task_id)
+    if freed.elsewhere and elsewhere is not None:
+        elsewhere(freed.elsewhere)
+    return freed
