@@ -122,9 +122,16 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    from deploy.stack import gateway_bind_refusal
+
+    host = args.host or settings.host
+    refusal = gateway_bind_refusal(host, settings)
+    if refusal is not None:
+        print(f"rollserve gateway: {refusal}", file=sys.stderr)
+        return 2
     import uvicorn
 
-    uvicorn.run("api.main:app", host=args.host or settings.host, port=args.port or settings.port)
+    uvicorn.run("api.main:app", host=host, port=args.port or settings.port)
     return 0
 
 

@@ -28,12 +28,25 @@ log = logging.getLogger(__name__)
 
 
 def _is_loopback(address: str) -> bool:
-    if address == "localhost":
+    address = address.strip().removeprefix("[").removesuffix("]")
+    if address.lower().rstrip(".") == "localhost":
         return True
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def gateway_bind_refusal(host: str, settings: Settings) -> str | None:
+    """Why the gateway may not bind `host`, or None: an address beyond loopback (127.0.0.0/8,
+    ::1, localhost) needs ROLLSERVE_API_TOKEN, or anyone who reaches it could use the API."""
+    if settings.api_token or _is_loopback(host):
+        return None
+    return (
+        f"refusing to bind the gateway to {host or 'every interface'}: without "
+        "ROLLSERVE_API_TOKEN anyone who reaches that address could submit, read and cancel "
+        "jobs; set ROLLSERVE_API_TOKEN, or bind a loopback address (127.0.0.1)"
+    )
 
 
 @dataclass
@@ -94,6 +107,9 @@ class Stack:
         return self
 
     def _start(self) -> None:
+        refusal = gateway_bind_refusal(self.settings.host, self.settings)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         if not self.redis_url:

@@ -1,11 +1,15 @@
 """Boxes made with bubblewrap: rootless, namespaced, on the host's kernel.
 
 The box sees a root filesystem read-only (the host's `/`, or a given directory), a writable
-`/workspace`, private `/tmp` and `/dev/shm` (tmpfs, capped), fresh `/dev` and `/proc`, and the
-socket directory at `/rollserve/sock`. Host directories that hold secrets (`/root`, `/home`,
-`/run`, and the state root with every other sandbox's files) are covered with empty tmpfs.
-All namespaces are unshared (the network's only when it is off); the box dies with the
-process that started it.
+`/workspace`, private `/tmp` and `/dev/shm` (tmpfs, capped), fresh `/dev` and `/proc`. Host
+directories that hold secrets (`/root`, `/home`, `/run`, and the state root with every other
+sandbox's files) are covered with empty tmpfs. All namespaces are unshared (the network's
+only when it is off); the box dies with the process that started it.
+
+The tool server's socket is not in the box's filesystem at all: the host binds it in the
+state dir's `sock/` (the service's, mode 0700), the box's main process inherits it as a file
+descriptor and the tool server listens on it, so nothing in the box can remove, replace or
+link the path workers connect through.
 
 Two modes, chosen by who runs the service:
 
@@ -37,7 +41,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from sandbox.base import (
-    SOCKET_DIR_INSIDE,
     WORKSPACE_INSIDE,
     SandboxBackend,
     SandboxError,
@@ -243,8 +246,10 @@ class BubblewrapSandbox(ProcessSandbox):
         for bind in self.spec.binds:
             mounts.append(Mount(str(Path(bind.host).resolve()), bind.inside, not bind.read_only))
         mounts.append(Mount(str(self.workspace), WORKSPACE_INSIDE, writable=True))
-        mounts.append(Mount(str(self.state_dir / "sock"), SOCKET_DIR_INSIDE, writable=True))
         return mounts
+
+    def _passes_socket_fd(self) -> bool:
+        return True
 
     def _host_process(
         self, command: list[str], env: dict[str, str], ready_fd: int | None

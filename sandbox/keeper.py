@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sandbox.backends import get_backend
-from sandbox.base import Bind, Limits, SandboxSpec
+from sandbox.base import Bind, Limits, Sandbox, SandboxSpec
+from sandbox.statedir import SocketIdentity
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class KeptSandbox:
     state_dir: str
     socket_path: str
     workspace: str
+    tool_socket: dict[str, int] | None = None
+    """The tool server's socket and process as recorded when it started (`SocketIdentity`);
+    clients check every connection against it."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,7 +74,7 @@ def spec_from_json(text: str) -> SandboxSpec:
 def launch(spec: SandboxSpec, backend: str, state_root: Path, timeout: float = 60.0) -> KeptSandbox:
     """Start a keeper for `spec` and wait until its sandbox's tool server is ready."""
     state_root.mkdir(parents=True, exist_ok=True)
-    log = open(state_root / f"keeper-{spec.job_id}.log", "ab")  # noqa: SIM115
+    log = open(log_path(state_root, spec.job_id), "ab")  # noqa: SIM115
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sandbox.keeper", "--backend", backend,
@@ -88,7 +92,11 @@ def launch(spec: SandboxSpec, backend: str, state_root: Path, timeout: float = 6
     answer = json.loads(line) if line else {"error": "the keeper exited without a word"}
     if "error" in answer:
         _end(proc)
-        raise SandboxStartError(f"sandbox for job {spec.job_id} did not start: {answer['error']}")
+        said = drop_log(state_root, spec.job_id)
+        raise SandboxStartError(
+            f"sandbox for job {spec.job_id} did not start: {answer['error']}"
+            + (f" (keeper log: {said})" if said else "")
+        )
     proc.stdout.close()
     return KeptSandbox(keeper_pid=proc.pid, job_id=spec.job_id, **answer)
 
@@ -121,7 +129,32 @@ def release(kept: KeptSandbox | dict[str, Any], timeout: float = 20.0) -> None:
     belongs to this keeper is left alone.
     """
     info = kept.as_dict() if isinstance(kept, KeptSandbox) else kept
-    pid, job_id = int(info["keeper_pid"]), str(info["job_id"])
+    try:
+        _stop_keeper(int(info["keeper_pid"]), str(info["job_id"]), timeout)
+    finally:
+        if info.get("state_dir"):  # a record without one has no log here (the reaper's part)
+            drop_log(Path(str(info["state_dir"])).parent, str(info["job_id"]))
+
+
+def log_path(state_root: Path, job_id: str) -> Path:
+    """The keeper's log (its stderr): it lives as long as the keeper."""
+    return state_root / f"keeper-{job_id}.log"
+
+
+def drop_log(state_root: Path, job_id: str) -> str:
+    """Remove the keeper's log; returns the end of what it said."""
+    path = log_path(state_root, job_id)
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, path.stat().st_size - 2000))
+            said = file.read().decode(errors="replace").strip()
+        path.unlink()
+    except OSError:
+        return ""
+    return said
+
+
+def _stop_keeper(pid: int, job_id: str, timeout: float) -> None:
     if not _is_keeper(pid, job_id):
         return
     try:
@@ -170,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "state_dir": str(box.state_dir),
                 "socket_path": str(box.socket_path),
                 "workspace": str(box.workspace),
+                "tool_socket": _socket_record(box),
             }
         ),
         flush=True,
@@ -182,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
     finally:
         box.stop()
+        drop_log(args.state_root, spec.job_id)
     return 0
+
+
+def _socket_record(box: Sandbox) -> dict[str, int] | None:
+    identity = getattr(box, "socket_identity", None)
+    return identity.as_dict() if isinstance(identity, SocketIdentity) else None
 
 
 if __name__ == "__main__":

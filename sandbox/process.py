@@ -29,12 +29,22 @@ from sandbox.base import (
 from sandbox.procs import explain_end, kill_box_processes, kill_group, process_start_time
 from sandbox.startup import (
     await_ready,
+    bind_tool_socket,
     box_env,
     launcher_argv,
+    record_tool_socket,
     toolserver_argv,
     wait_for_socket,
 )
-from sandbox.statedir import locked, read_info, release_state, state_lock, write_info
+from sandbox.statedir import (
+    SocketIdentity,
+    locked,
+    read_info,
+    release_state,
+    state_lock,
+    write_info,
+    write_socket_identity,
+)
 
 # The longest path a Unix socket address holds (sun_path is 108 bytes with its NUL).
 _SOCKET_PATH_MAX = 107
@@ -169,6 +179,8 @@ class ProcessSandbox(Sandbox):
         self._main: subprocess.Popen[bytes] | None = None
         self._execs: set[subprocess.Popen[bytes]] = set()
         self._stopped = False
+        self.socket_identity: SocketIdentity | None = None
+        """The tool server's socket and process, recorded once it listens."""
 
     # What subclasses provide.
 
@@ -200,6 +212,12 @@ class ProcessSandbox(Sandbox):
         """True if the box's main process inherits a pipe to say it is ready on."""
         return True
 
+    def _passes_socket_fd(self) -> bool:
+        """True if the host makes the tool server's socket (in a directory the box cannot
+        reach) and the box's main process inherits it; else the tool server binds its socket
+        path itself."""
+        return False
+
     def _kill_exec(self, proc: subprocess.Popen[bytes]) -> None:
         kill_group(proc.pid)
 
@@ -229,8 +247,17 @@ class ProcessSandbox(Sandbox):
             # Unlocked: a stop() meanwhile (the job was cancelled) ends the wait at once.
             try:
                 wait_for_socket(self.socket_path, deadline, self.alive)
+                self._record_tool_socket()
             except BaseException as exc:
                 self._fail_start(exc)
+
+    def _record_tool_socket(self) -> None:
+        """Record which socket file and which process are the tool server (toolsock.json),
+        so clients can check both before they trust a connection."""
+        main = self._main
+        owner = main.pid if main is not None and self._passes_socket_fd() else None
+        self.socket_identity = record_tool_socket(self.socket_path, owner)
+        write_socket_identity(self.state_dir, self.socket_identity)
 
     def _fail_start(self, exc: BaseException) -> NoReturn:
         """Stop the half-started box and raise, with the end of its log when it has one."""
@@ -240,13 +267,18 @@ class ProcessSandbox(Sandbox):
             raise SandboxError(f"{exc}; its log ends: {tail or '(empty)'}") from None
         raise exc
 
-    def _main_command(self, tool_server: bool) -> list[str]:
+    def _main_command(self, tool_server: bool, socket_fd: int | None = None) -> list[str]:
         if not tool_server:
             return []
-        return toolserver_argv(self.python, self._socket_inside(), self._workdir_inside())
+        return toolserver_argv(
+            self.python, self._socket_inside(), self._workdir_inside(), socket_fd
+        )
 
-    def _spawn_main(self, command: list[str], ready_fd: int | None) -> subprocess.Popen[bytes]:
-        """Start the box's long-lived process (`command` inside it), logging to box.log."""
+    def _spawn_main(
+        self, command: list[str], ready_fd: int | None, socket_fd: int | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start the box's long-lived process (`command` inside it), logging to box.log;
+        it inherits `ready_fd` and `socket_fd` (same numbers) when given."""
         argv, env = self._host_process(command, self._box_env(None), ready_fd)
         with open(self.state_dir / "box.log", "ab") as box_log:
             return subprocess.Popen(
@@ -257,19 +289,28 @@ class ProcessSandbox(Sandbox):
                 env=env,
                 cwd=self._host_cwd(),
                 start_new_session=True,
-                pass_fds=() if ready_fd is None else (ready_fd,),
+                pass_fds=tuple(fd for fd in (ready_fd, socket_fd) if fd is not None),
             )
 
     def _launch_main(self, tool_server: bool, deadline: float) -> None:
+        socket_fd = None
+        if tool_server and self._passes_socket_fd():
+            socket_fd = bind_tool_socket(self.socket_path)
         read_fd, write_fd = os.pipe() if self._passes_ready_fd() else (None, None)
         command = launcher_argv(
-            self.python, self._limits(), self._main_command(tool_server), self.info.uid, write_fd
+            self.python,
+            self._limits(),
+            self._main_command(tool_server, socket_fd),
+            self.info.uid,
+            write_fd,
         )
         try:
-            self._main = self._spawn_main(command, write_fd)
+            self._main = self._spawn_main(command, write_fd, socket_fd)
         finally:
-            if write_fd is not None:
-                os.close(write_fd)
+            # Only the box keeps the socket: no host process can accept on it.
+            for fd in (write_fd, socket_fd):
+                if fd is not None:
+                    os.close(fd)
         pid = self._main.pid
         self.info.pid, self.info.pgid = pid, pid
         self.info.start_time = process_start_time(pid)

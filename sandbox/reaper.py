@@ -6,11 +6,13 @@ and bubblewrap's --die-with-parent took the box along, leaving the state dir). R
 every process labelled with the sandbox's id, then removes its state dir. Sweeps may run
 at the same time in several processes: a sandbox is reaped under its state dir's lock, by
 whoever takes it first. Sandboxes another host recorded (a state root on a shared file
-system) are left to that host. Grading boxes (`GRADING_DIR`) are swept with their state root.
+system) are left to that host. Grading boxes (`GRADING_DIR`) are swept with their state root,
+and so are the job data dirs (`JOB_DATA_DIR`) and keeper logs of jobs that are over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -31,11 +33,25 @@ from sandbox.statedir import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GRADING_DIR", "SandboxInfo", "list_sandboxes", "reap"]
+__all__ = ["GRADING_DIR", "JOB_DATA_DIR", "SandboxInfo", "job_data_dir", "list_sandboxes", "reap"]
 
 GRADING_DIR = ".grading"
 """Where grading boxes live under a state root: fresh boxes a grader starts and stops within
 one grade, labelled with the job they grade, apart from the boxes jobs hold."""
+
+JOB_DATA_DIR = ".jobs"
+"""Where host data made for one job's boxes lives under a state root (e.g. the repository a
+`swe` box clones): `<root>/.jobs/<name>/`, holding a `JOB_FILE` with the job's id. Removed
+by the reaper once the job is over; directories being made are `.build-*` beside them."""
+JOB_FILE = "job"
+KEEPER_LOG_PREFIX = "keeper-"
+"""Keeper logs are `<root>/keeper-<job>.log` (`sandbox.keeper`)."""
+
+
+def job_data_dir(state_root: Path, name: str) -> Path:
+    """The data dir of the job named `name` (its id, or a digest of it) under `state_root`."""
+    return state_root / JOB_DATA_DIR / name
+
 
 ORPHAN_GRACE_SECONDS = 300.0
 """A state dir without a readable meta.json is removed once it is this old (a create that
@@ -92,6 +108,7 @@ def reap(
     roots = (state_root, state_root / GRADING_DIR)
     for root in roots:
         _clear_tombstones(root, now)
+    _clear_job_data(state_root, live, now)
     reaped: list[str] = []
     for state_dir in [d for root in roots for d in _state_dirs(root)]:
         info = read_info(state_dir)
@@ -117,6 +134,39 @@ def reap(
             release_state(current)
             reaped.append(current.id)
     return reaped
+
+
+def _still_live(job_id: str, live: Callable[[str], bool]) -> bool:
+    try:
+        return live(job_id)
+    except Exception:
+        log.exception("cannot tell whether job %s is live; keeping its files", job_id)
+        return True
+
+
+def _clear_job_data(state_root: Path, live: Callable[[str], bool], now: float) -> None:
+    """Remove the job data dirs and keeper logs of jobs that are over, and what a crashed
+    maker left of a data dir it was making."""
+    data = state_root / JOB_DATA_DIR
+    entries = sorted(data.iterdir()) if data.is_dir() else []
+    for entry in entries:
+        try:
+            job_id = None if entry.name.startswith(".") else (entry / JOB_FILE).read_text()
+        except OSError:
+            job_id = None
+        if job_id is None:  # being made, or what a crashed maker left
+            if _orphaned(entry, now):
+                remove_tree(entry)
+        elif not _still_live(job_id, live):
+            log.info("removing %s: job %s is over", entry, job_id)
+            remove_tree(entry)
+    if not state_root.is_dir():
+        return
+    for entry in state_root.glob(f"{KEEPER_LOG_PREFIX}*.log"):
+        job_id = entry.name.removeprefix(KEEPER_LOG_PREFIX).removesuffix(".log")
+        if not _still_live(job_id, live):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
 
 
 def _clear_tombstones(state_root: Path, now: float) -> None:

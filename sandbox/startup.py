@@ -5,10 +5,13 @@ needs to run the service's interpreter, and the waits for a box to come up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import site
 import socket
+import stat
+import struct
 import sys
 import sysconfig
 import time
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from sandbox.base import DEFAULT_PATH, Limits, SandboxError, SandboxSpec
 from sandbox.procs import LABEL_ID, LABEL_JOB
+from sandbox.statedir import SocketIdentity
 
 LAUNCHER = resources.files("sandbox").joinpath("launcher.py").read_text(encoding="utf-8")
 """The text of `sandbox/launcher.py`, the first program in every box, run with `python -S -I
@@ -45,9 +49,89 @@ def launcher_argv(
     ]  # fmt: skip
 
 
-def toolserver_argv(python: str, socket_path: str, workdir: str) -> list[str]:
-    """The tool server's command line."""
-    return [python, "-m", "sandbox.toolserver", "--socket", socket_path, "--workdir", workdir]
+def toolserver_argv(
+    python: str, socket_path: str, workdir: str, socket_fd: int | None = None
+) -> list[str]:
+    """The tool server's command line: listening on `socket_fd` (a socket the host bound and
+    passed in) when given, else on `socket_path`."""
+    where = ["--socket", socket_path] if socket_fd is None else ["--socket-fd", str(socket_fd)]
+    return [python, "-m", "sandbox.toolserver", *where, "--workdir", workdir]
+
+
+def bind_tool_socket(path: Path) -> int:
+    """Bind a Unix socket at `path` (in a directory only the service writes), not listening
+    yet, readable and writable by the service alone; return its inheritable descriptor.
+
+    The tool server calls listen() on it inside the box, so a connection's peer credentials
+    name the tool server, not the host process that made the socket.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a stale socket from an earlier start
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        sock.close()
+        raise SandboxError(f"cannot make the tool socket {path}: {exc}") from exc
+    fd = sock.detach()
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that listens on the other end of `sock`, as the
+    kernel recorded them at listen() (pid and uid as this process's namespaces see them)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, gid = struct.unpack("iII", raw)
+    return pid, uid, gid
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[-1].split()[1])
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """True if `pid` is `ancestor` or one of its descendants (walking /proc)."""
+    for _ in range(256):
+        if pid == ancestor:
+            return True
+        parent = _parent_pid(pid)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
+def record_tool_socket(path: Path, box_pid: int | None) -> SocketIdentity:
+    """The identity of the tool server listening at `path`: the socket file's device and
+    inode (never through a symlink) and the listening process's pid and uid. With `box_pid`
+    (the host pid of the box's main process), the listener must be that process or one of
+    its descendants; SandboxError otherwise."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise SandboxError(f"the tool socket {path} is gone: {exc}") from exc
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SandboxError(f"{path} is not a socket (mode {st.st_mode:o})")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            raise SandboxError(f"cannot connect to the tool socket {path}: {exc}") from exc
+        pid, uid, _gid = peer_credentials(probe)
+    if pid <= 0:
+        raise SandboxError(f"the process listening on {path} is not visible from the host")
+    if box_pid is not None and not descends_from(pid, box_pid):
+        raise SandboxError(
+            f"the process listening on {path} (pid {pid}) is not in the box (pid {box_pid})"
+        )
+    return SocketIdentity(dev=st.st_dev, ino=st.st_ino, pid=pid, uid=uid)
 
 
 def source_root() -> Path:

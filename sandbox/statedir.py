@@ -1,16 +1,19 @@
 """State directories of sandboxes on the host, and the locks that guard them.
 
 Every sandbox has a state directory `<state_root>/<id>/` holding `meta.json` (its
-`SandboxInfo`), the socket directory and, unless one is given, the workspace. The box that
-made it, the reaper and any worker on the host may all reach for it: whoever changes or
-removes it holds its lock (`locked(state_lock(state_dir))`), and the uids of boxes under one
-root are picked under a lock of the root.
+`SandboxInfo`), the socket directory (the service's; no box writes it), `toolsock.json` (the
+identity of the tool server's socket, `SocketIdentity`) and, unless one is given, the
+workspace. The box that made it, the reaper and any worker on the host may all reach for it:
+whoever changes or removes it holds its lock (`locked(state_lock(state_dir))`), and the uids
+of boxes under one root are picked under a lock of the root.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -18,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +171,48 @@ def prepare_state(
         info.workspace_owner = (stat.st_uid, stat.st_gid)
         write_info(info)
     chown_tree(workspace, info.uid, info.uid)
-    os.chown(state_dir / "sock", info.uid, info.uid)
+    # The socket directory stays the service's (mode 0700): the host side makes the socket
+    # and passes it to the tool server, so no box ever needs to write there.
     return info
+
+
+SOCKET_RECORD = "toolsock.json"
+"""File in a state dir recording which socket and which process are the box's tool server."""
+
+
+@dataclass(frozen=True)
+class SocketIdentity:
+    """What the host recorded when a box's tool server started listening: the socket file
+    (device and inode) and the server's peer credentials (host pid and uid)."""
+
+    dev: int
+    ino: int
+    pid: int
+    uid: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SocketIdentity:
+        return cls(dev=int(data["dev"]), ino=int(data["ino"]), pid=int(data["pid"]),
+                   uid=int(data["uid"]))  # fmt: skip
+
+
+def write_socket_identity(state_dir: Path, identity: SocketIdentity) -> None:
+    """Record `identity` in `state_dir` atomically."""
+    target = state_dir / SOCKET_RECORD
+    tmp = target.with_name(f".{SOCKET_RECORD}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(identity.as_dict()))
+    os.replace(tmp, target)
+
+
+def read_socket_identity(state_dir: Path) -> SocketIdentity | None:
+    """The identity recorded in `state_dir`, or None if there is none (or it is unreadable)."""
+    try:
+        return SocketIdentity.from_dict(json.loads((state_dir / SOCKET_RECORD).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _infos(state_root: Path) -> Iterator[SandboxInfo]:

@@ -10,20 +10,30 @@ so it survives reconnecting).
 A call waits up to the client's `timeout`, or longer when the call itself carries a
 `timeout` argument (a bash command or a cell): then up to that plus `CALL_GRACE` seconds,
 which leaves the server time to interrupt the command and answer.
+
+A sandbox's socket (`<state_dir>/sock/tools.sock`) is checked on every connect against what
+the host recorded when its tool server started (`toolsock.json`, or `expect=`): the path is
+that very socket, not a link, and the process listening is the tool server. A mismatch
+raises ToolSocketUntrusted before anything is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
+import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from sandbox.startup import peer_credentials
+from sandbox.statedir import SOCKET_RECORD, SocketIdentity, meta_path, read_socket_identity
 from sandbox.toolserver import protocol
 from sandbox.toolserver.protocol import JSONObject
 
@@ -50,6 +60,102 @@ class ToolServerUnavailable(ToolClientError):
 
 class ToolCallTimeout(ToolServerUnavailable):
     """The server did not answer a call in time (the connection is dropped)."""
+
+
+class ToolSocketUntrusted(Exception):
+    """The socket or the process behind it is not the box's tool server, as the host recorded
+    it when the server started: a symlink, another socket, or another process listening. Not
+    a ToolClientError, so nothing that handles a broken tool call mistakes it for one (or
+    turns it into a grade); the message says what did not match."""
+
+
+Expected = SocketIdentity | dict[str, Any] | None
+"""What a client checks a connection against: the recorded identity, or None to look it up
+(`<state_dir>/toolsock.json` when the socket is a sandbox's `<state_dir>/sock/tools.sock`)."""
+
+
+def expected_identity(socket_path: Path, expect: Expected = None) -> SocketIdentity | None:
+    """The identity a connection to `socket_path` must have, or None when there is none to
+    check (a socket outside any sandbox's state dir: tests, benchmarks).
+
+    A socket in a sandbox's state dir (one with a meta.json) must have a record; a missing
+    one raises ToolSocketUntrusted.
+    """
+    if isinstance(expect, SocketIdentity):
+        return expect
+    if expect is not None:
+        return SocketIdentity.from_dict(expect)
+    state_dir = socket_path.parent.parent
+    if socket_path.parent.name != "sock" or not meta_path(state_dir).exists():
+        return None
+    identity = read_socket_identity(state_dir)
+    if identity is None:
+        raise ToolSocketUntrusted(
+            f"no record of the tool server behind {socket_path} ({state_dir / SOCKET_RECORD})"
+        )
+    return identity
+
+
+def connect_verified(socket_path: Path, identity: SocketIdentity, timeout: float) -> socket.socket:
+    """A connection to the tool server at `socket_path`, after checking that the path is the
+    socket the host recorded (not a symlink, same device and inode; the directory opened with
+    O_NOFOLLOW and the socket reached through that descriptor, so nothing is swapped in
+    between) and that the process listening is the recorded one (SO_PEERCRED pid and uid).
+
+    Raises ToolSocketUntrusted on any mismatch, OSError when it cannot connect.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dir_fd = os.open(socket_path.parent, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ToolSocketUntrusted(
+                f"the socket directory {socket_path.parent} is not a directory: {exc}"
+            ) from exc
+        raise
+    try:
+        st = os.stat(socket_path.name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(socket_path.name, dir_fd=dir_fd)
+            raise ToolSocketUntrusted(f"{socket_path} is a symlink (to {target}), not the socket")
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ToolSocketUntrusted(f"{socket_path} is not a socket (mode {st.st_mode:o})")
+        if (st.st_dev, st.st_ino) != (identity.dev, identity.ino):
+            raise ToolSocketUntrusted(
+                f"{socket_path} is another socket (device {st.st_dev} inode {st.st_ino}) than "
+                f"the tool server's (device {identity.dev} inode {identity.ino})"
+            )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(f"/proc/self/fd/{dir_fd}/{socket_path.name}")
+            pid, uid, _gid = peer_credentials(sock)
+            if (pid, uid) != (identity.pid, identity.uid):
+                raise ToolSocketUntrusted(
+                    f"the process listening on {socket_path} (pid {pid}, uid {uid}) is not the "
+                    f"box's tool server (pid {identity.pid}, uid {identity.uid})"
+                )
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(dir_fd)
+
+
+def _connect_unix(path: Path, expect: Expected, timeout: float) -> socket.socket:
+    """A connection to the server at `path`, verified when it has a recorded identity."""
+    identity = expected_identity(path, expect)
+    if identity is not None:
+        return connect_verified(path, identity, timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _wait_for(args: dict[str, Any], timeout: float) -> float:
@@ -80,10 +186,12 @@ class ToolClient:
         *,
         timeout: float = 60,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
+        expect: Expected = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
         self.max_frame = max_frame
+        self.expect = expect
         self._address: tuple[str, int] | None = None
         self._sock: socket.socket | None = None
         self._frames = protocol.FrameBuffer(max_frame)
@@ -167,13 +275,7 @@ class ToolClient:
                 sock = socket.create_connection(self._address, timeout=self.timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                try:
-                    sock.connect(str(self.socket_path))
-                except OSError:
-                    sock.close()
-                    raise
+                sock = _connect_unix(self.socket_path, self.expect, self.timeout)
         except OSError as exc:
             where = self._address or self.socket_path
             raise ToolServerUnavailable(f"cannot connect to tool server at {where}: {exc}") from exc
@@ -220,10 +322,12 @@ class AsyncToolClient:
         *,
         timeout: float = 60,
         max_frame: int = protocol.DEFAULT_MAX_FRAME,
+        expect: Expected = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
         self.max_frame = max_frame
+        self.expect = expect
         self._address: tuple[str, int] | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -307,9 +411,10 @@ class AsyncToolClient:
                     if sock is not None:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 else:
-                    reader, writer = await asyncio.open_unix_connection(
-                        str(self.socket_path), limit=2**20
-                    )
+                    # A local connect does not block; the checks read two small records.
+                    sock = _connect_unix(self.socket_path, self.expect, self.timeout)
+                    sock.setblocking(False)
+                    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**20)
         except (OSError, TimeoutError) as exc:
             where = self._address or self.socket_path
             raise ToolServerUnavailable(f"cannot connect to tool server at {where}: {exc}") from exc

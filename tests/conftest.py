@@ -1,15 +1,21 @@
-"""Shared fixtures: a real embedded Redis per test session, a clean database per test."""
+"""Shared fixtures: a real embedded Redis per test session, a clean database per test, the tiny
+model and its tokenizer, a backend pool. The development server, sandbox and tool server
+fixtures of `tests/support/` are loaded as plugins."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from broker.embedded import EmbeddedRedis
+from routing.pool import BackendPool
+
+pytest_plugins = ["tests.support.devserver", "tests.support.sandbox", "tests.support.toolserver"]
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
 
@@ -50,3 +56,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from routing.devserver.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture
+def pool(redis_client: redis.Redis) -> BackendPool:
+    """A backend pool on the test's empty Redis database."""
+    return BackendPool(redis_client)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,6 +50,9 @@ class ServerConfig:
     """Seconds a bash command or a cell may run when the call names no timeout."""
     max_frame: int = protocol.DEFAULT_MAX_FRAME
     shell: str = "/bin/bash"
+    socket_fd: int | None = None
+    """A Unix socket the host bound and passed in (bound, not listening): served instead of
+    binding `socket_path`, which is then only a name for it."""
 
 
 class ToolFailure(Exception):
@@ -88,12 +93,21 @@ class ToolServer:
 
     async def start(self) -> None:
         """Listen; returns once the socket accepts connections. The shell starts meanwhile."""
-        path = self.config.socket_path
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a stale socket from an earlier run
-        self._servers.append(
-            await asyncio.start_unix_server(self._serve_connection, path=str(path))
-        )
+        if self.config.socket_fd is not None:
+            # Never inherited by the shell, the kernel or anything they start: a process of
+            # the agent's holding the listening socket could accept the worker's calls.
+            os.set_inheritable(self.config.socket_fd, False)
+            # Nor taken from this process by one running as the same uid (ptrace,
+            # pidfd_getfd, /proc/PID/fd): a process that is not dumpable refuses them.
+            _not_dumpable()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=self.config.socket_fd)
+            server = await asyncio.start_unix_server(self._serve_connection, sock=sock)
+        else:
+            path = self.config.socket_path
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a stale socket from an earlier run
+            server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
+        self._servers.append(server)
         if self.config.tcp is not None:
             host, port = self.config.tcp
             self._servers.append(
@@ -129,8 +143,9 @@ class ToolServer:
         await self.ipython.close()
         kill_all(descendants(os.getpid()))
         reap_adopted(keep=set())
-        with contextlib.suppress(FileNotFoundError):
-            self.config.socket_path.unlink()
+        if self.config.socket_fd is None:  # a passed-in socket's path is the host's to remove
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket_path.unlink()
 
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -239,6 +254,12 @@ class ToolServer:
         return {"bash": True, "ipython": restarted}
 
 
+def _not_dumpable() -> None:
+    pr_set_dumpable = 4
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
+
+
 def _string_arg(args: JSONObject, name: str) -> str:
     value = args.get(name)
     if not isinstance(value, str):
@@ -304,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sandbox.toolserver", description="rollserve's in-sandbox tool server"
     )
-    parser.add_argument("--socket", required=True, type=Path, help="Unix socket to listen on")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", type=Path, help="Unix socket to listen on")
+    where.add_argument(
+        "--socket-fd", type=int, help="listen on this inherited, bound Unix socket instead"
+    )
     parser.add_argument("--tcp", type=parse_tcp, help="also listen on HOST:PORT (benchmarks)")
     parser.add_argument("--workdir", type=Path, default=None, help="tools start here")
     parser.add_argument(
@@ -319,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if not workdir.is_dir():
         parser.error(f"--workdir {workdir} is not a directory")
     config = ServerConfig(
-        socket_path=options.socket,
+        socket_path=options.socket or Path(f"/proc/self/fd/{options.socket_fd}"),
+        socket_fd=options.socket_fd,
         workdir=workdir,
         tcp=options.tcp,
         output_limit=options.output_limit,

@@ -19,6 +19,7 @@ from workers.handlers.swe.task import (
     box_spec,
     checked_on_worker,
     checkout_script,
+    job_source,
     read_task,
 )
 from workers.tool_specs import ALL_TOOLS
@@ -96,10 +97,11 @@ class SweHandler(Handler):
         return ALL_TOOLS
 
     def sandbox_spec(self, task: dict[str, Any], job_id: str) -> SandboxSpec:
-        """The box: the task's root (its image, or the host's), the host repository bound
-        read-only at /rollserve/source (checked again against this worker's policy), the
-        task's interpreter first on PATH."""
-        return box_spec(checked_on_worker(read_task(task), self.settings), job_id)
+        """The box: the task's root (its image, or the host's), the job's repository (made
+        from the host repository, checked again against this worker's policy, with nothing
+        past `base_commit`: `job_source`) bound read-only at /rollserve/source, the task's
+        interpreter first on PATH."""
+        return box_spec(self._with_job_source(task, job_id), job_id)
 
     def prepare(self, task: dict[str, Any], tools: ToolSession) -> None:
         """Clone the repository into /workspace at `base_commit`; raises
@@ -173,7 +175,7 @@ class SweHandler(Handler):
         """Grade `outcome["patch"]` in a fresh box labelled with `job_id` (see `evaluate`);
         the sandbox backend and directory are the settings', the time budget the task's
         `timeout` or the `tool_timeout` setting."""
-        parsed = checked_on_worker(read_task(task), self.settings)
+        parsed = self._with_job_source(task, job_id)
         patch = str((outcome or {}).get("patch") or "")
         result = evaluate(
             parsed,
@@ -186,6 +188,12 @@ class SweHandler(Handler):
         if error:
             result.details["outcome_error"] = error
         return result
+
+    def _with_job_source(self, task: dict[str, Any], job_id: str) -> SweTask:
+        parsed = checked_on_worker(read_task(task), self.settings)
+        return job_source(
+            parsed, job_id, self.settings.sandbox_dir.resolve(), timeout=self._budget(parsed)
+        )
 
     def _budget(self, task: SweTask) -> float:
         return task.timeout if task.timeout is not None else self.settings.tool_timeout

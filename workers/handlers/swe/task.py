@@ -18,8 +18,10 @@ Optional task fields: `timeout` (seconds for setting up and for grading; default
 `tool_timeout` setting), and, as in the SWE-bench 5 records, `log_parser` (a name of
 swebench's `PARSER_REGISTRY`, default `parse_log_pytest`) and `eval_type`.
 
-The agent can read the repository it is cloned from (`/rollserve/source`), so a repository
-given as `repo_path` should hold no commit past `base_commit`.
+The box never sees a host repository itself: the worker makes a repository for the job
+(`job_source`) holding `base_commit`'s history and nothing else (no other branch, tag,
+reflog, stash, remote, note or object of a later commit), binds that one read-only at
+`/rollserve/source`, and the box clones it. The reaper removes it once the job is over.
 
 Host repositories come only from the directories the operator names in
 `ROLLSERVE_SWE_REPO_ROOTS` (none by default: such tasks are refused until it is set). A
@@ -36,7 +38,9 @@ import functools
 import json
 import os
 import re
+import secrets
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +49,8 @@ from typing import Any
 from core.schemas import json_problem
 from core.settings import Settings
 from sandbox.base import DEFAULT_PATH, Bind, SandboxSpec
+from sandbox.reaper import JOB_FILE, job_data_dir
+from sandbox.statedir import remove_tree
 from workers.handlers.base import TaskValidationError, required_text
 
 SOURCE_INSIDE = "/rollserve/source"
@@ -249,6 +255,112 @@ def checked_on_worker(task: SweTask, settings: Settings) -> SweTask:
     except TaskValidationError as exc:
         raise SweEnvironmentError(f"{exc.field} {exc.message}") from None
     return dataclasses.replace(task, host_repo=repo)
+
+
+SOURCE_REPO = "repo"
+"""The job's repository in its job data dir (`sandbox.reaper.job_data_dir`)."""
+
+
+def _git(args: list[str], config: Path, timeout: float) -> str:
+    """Run git with `config` as its only configuration (none of the host's or the user's),
+    never prompting; its stdout, or a `SweEnvironmentError` with its stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_GLOBAL=str(config), GIT_CONFIG_NOSYSTEM="1", GIT_TERMINAL_PROMPT="0")
+    try:
+        done = subprocess.run(
+            ["git", *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise SweEnvironmentError(f"git {args[0]} took longer than {timeout:.0f}s") from None
+    if done.returncode != 0:
+        raise SweEnvironmentError(f"git {' '.join(args[:3])}: {done.stderr.strip()[-500:]}")
+    return done.stdout.strip()
+
+
+def _readable(tree: Path) -> None:
+    """Make `tree` readable to every uid (boxes run under uids of their own)."""
+    for top, _dirs, files in os.walk(tree):
+        os.chmod(top, 0o755)
+        for name in files:
+            path = os.path.join(top, name)
+            os.chmod(path, os.stat(path).st_mode & 0o777 | 0o444)
+
+
+def _data_name(job_id: str) -> str:
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", job_id):
+        return job_id
+    import hashlib
+
+    return hashlib.sha256(job_id.encode()).hexdigest()[:32]
+
+
+def job_source(task: SweTask, job_id: str, sandbox_dir: Path, *, timeout: float = 300.0) -> SweTask:
+    """`task` with its host repository replaced by one made for `job_id` under
+    `sandbox_dir` (`<sandbox_dir>/.jobs/<job>/repo`, a bare repository): `base_commit`'s
+    history on one branch named as the host repository's HEAD, and nothing else — no other
+    ref, no reflog, no remote, no object a later commit brought. Made once per job and
+    host (INIT and EVAL share it); the reaper removes it once the job is over.
+
+    Raises `SweEnvironmentError` when the host repository is not a git repository or does
+    not hold `base_commit`. A task without a host repository is returned as it is.
+    """
+    if task.host_repo is None:
+        return task
+    repo = Path(os.path.realpath(task.host_repo))
+    if not ((repo / ".git").exists() or (repo / "HEAD").is_file()):
+        raise SweEnvironmentError(f"environment.repo_path {repo} is not a git repository here")
+    home = job_data_dir(sandbox_dir, _data_name(job_id))
+    made = home / SOURCE_REPO
+    if (made / "HEAD").is_file():
+        return dataclasses.replace(task, host_repo=made)
+    home.parent.mkdir(parents=True, exist_ok=True)
+    build = home.parent / f".build-{secrets.token_hex(6)}"
+    build.mkdir(mode=0o700)
+    try:
+        config = build / "gitconfig"
+        # The host repository belongs to another uid than the worker's, maybe; commits are
+        # asked for by id (upload-pack refuses unadvertised ones otherwise).
+        config.write_text("[safe]\n\tdirectory = *\n[uploadpack]\n\tallowAnySHA1InWant = true\n")
+        try:
+            commit = _git(
+                ["-C", str(repo), "rev-parse", "--verify", "--quiet",
+                 f"{task.base_commit}^{{commit}}"],
+                config,
+                timeout,
+            )  # fmt: skip
+        except SweEnvironmentError:
+            raise SweEnvironmentError("base_commit is not a commit there") from None
+        try:
+            branch = _git(
+                ["-C", str(repo), "symbolic-ref", "--quiet", "--short", "HEAD"], config, timeout
+            )
+        except SweEnvironmentError:
+            branch = ""
+        branch = branch or "main"
+        target = build / SOURCE_REPO
+        _git(["init", "--quiet", "--bare", "--template=", str(target)], config, timeout)
+        _git(
+            ["-C", str(target), "fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+             str(repo), f"+{commit}:refs/heads/{branch}"],
+            config,
+            timeout,
+        )  # fmt: skip
+        _git(["-C", str(target), "symbolic-ref", "HEAD", f"refs/heads/{branch}"], config, timeout)
+        config.unlink()
+        (build / JOB_FILE).write_text(job_id)
+        _readable(build)
+        try:
+            os.rename(build, home)
+        except OSError:  # made meanwhile by another stage of the job
+            if not (made / "HEAD").is_file():
+                raise
+    except SweEnvironmentError as exc:
+        raise SweEnvironmentError(
+            f"cannot take {task.base_commit} from environment.repo_path {repo}: {exc}"
+        ) from None
+    finally:
+        remove_tree(build)
+    return dataclasses.replace(task, host_repo=made)
 
 
 def box_spec(task: SweTask, job_id: str, *, lease_seconds: float = 3600.0) -> SandboxSpec:

@@ -1,0 +1,37 @@
+"""Fixtures of the gateway tests: one real gateway over HTTP on the test's Redis, no workers.
+
+A module sets `GATEWAY_SETTINGS` (a dict of `Settings` fields) to start it otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from api.app import create_app
+from core.settings import Settings
+from tests.support.gateway import serve
+
+
+@pytest.fixture
+def gateway(redis_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """Base URL of a gateway on the test's Redis, with the module's `GATEWAY_SETTINGS`."""
+    settings = getattr(request.module, "GATEWAY_SETTINGS", {})
+    with serve(create_app(Settings(redis_url=redis_url, **settings))) as url:
+        yield url
+
+
+@pytest.fixture
+def http(gateway: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def with_backend(http: httpx.Client) -> None:
+    """A backend `b0` registered (not verified: nothing listens at its URL)."""
+    answer = http.post(
+        "/v1/backends?verify=false", json={"url": "http://127.0.0.1:9", "model": "m", "id": "b0"}
+    )
+    assert answer.status_code == 201, answer.text

@@ -1,0 +1,118 @@
+"""VLLMClient against the development server: token ids in and out, retries, errors."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from broker.processes import free_port
+from routing.vllm import BackendError, VLLMClient
+
+if TYPE_CHECKING:
+    from tests.support.devserver import DevBackend
+
+
+IM_END = 151645
+
+
+async def prompt_for(backend: DevBackend, text: str) -> list[int]:
+    async with backend.client() as client:
+        return await client.tokenize_chat(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+
+
+async def test_complete_returns_exact_ids_logprobs_and_finish_reason(
+    devserver_script: DevBackend,
+) -> None:
+    prompt = await prompt_for(devserver_script, "What is the capital of France?")
+    async with devserver_script.client() as client:
+        done = await client.complete(prompt, max_tokens=32, seed=1)
+        paris = await client.tokenize("Lyon?")
+    assert done.output_ids == [*paris, IM_END]
+    assert len(done.logprobs) == len(done.output_ids)
+    assert all(lp < 0 for lp in done.logprobs)
+    assert done.text == "Lyon?<|im_end|>"
+    assert (done.finish_reason, done.stop_reason) == ("stop", None)
+    assert done.prompt_tokens == len(prompt)
+
+
+async def test_complete_keeps_the_stop_string_and_its_ids(devserver_script: DevBackend) -> None:
+    prompt = await prompt_for(devserver_script, "Spell it")
+    async with devserver_script.client() as client:
+        done = await client.complete(prompt, max_tokens=32, stop=["STOP"])
+        assert await client.detokenize(done.output_ids) == "alpha STOP"
+    assert (done.text, done.finish_reason, done.stop_reason) == ("alpha STOP", "stop", "STOP")
+
+
+async def test_complete_lowers_max_tokens_to_what_the_context_leaves(
+    devserver_script: DevBackend,
+) -> None:
+    prompt = [100] * (4096 - 3)
+    async with devserver_script.client() as client:
+        done = await client.complete(prompt, max_tokens=1000)
+    assert len(done.output_ids) == 3
+    assert done.finish_reason == "length"
+
+
+async def test_prompt_filling_the_context_is_a_400_backend_error(
+    devserver_script: DevBackend,
+) -> None:
+    async with devserver_script.client(retries=3, backoff=0.01) as client:
+        with pytest.raises(BackendError) as caught:
+            await client.complete([100] * 4096, max_tokens=16)
+    assert caught.value.status == 400
+    assert "context length" in caught.value.message
+    assert devserver_script.url in str(caught.value)
+
+
+async def test_5xx_answers_are_retried_until_one_succeeds(devserver_script: DevBackend) -> None:
+    prompt = await prompt_for(devserver_script, "Flaky twice")
+    async with devserver_script.client(retries=3, backoff=0.01) as client:
+        done = await client.complete(prompt, max_tokens=16)
+    assert done.text == "recovered<|im_end|>"
+
+
+async def test_5xx_after_the_last_retry_is_a_backend_error(devserver_script: DevBackend) -> None:
+    prompt = await prompt_for(devserver_script, "Broken for a while")
+    async with devserver_script.client(retries=1, backoff=0.01) as client:
+        with pytest.raises(BackendError) as caught:
+            await client.complete(prompt, max_tokens=16)
+        assert caught.value.status == 502
+        assert "after 2 attempts" in str(caught.value)
+        # Both scripted failures were used up by the two attempts: the next call succeeds.
+        assert (await client.complete(prompt, max_tokens=16)).text == "healed<|im_end|>"
+
+
+async def test_4xx_is_raised_at_once_without_retrying(devserver_script: DevBackend) -> None:
+    prompt = await prompt_for(devserver_script, "Refuse once")
+    async with devserver_script.client(retries=3, backoff=0.01) as client:
+        with pytest.raises(BackendError) as caught:
+            await client.complete(prompt, max_tokens=16)
+        assert caught.value.status == 400
+        assert not caught.value.retryable
+        # One attempt only: the entry had a single failure to give, so this one succeeds.
+        assert (await client.complete(prompt, max_tokens=16)).text == "accepted<|im_end|>"
+
+
+async def test_unreachable_server_is_a_backend_error_naming_the_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    async with VLLMClient(url, "m", retries=2, backoff=0.01) as client:
+        with pytest.raises(BackendError) as caught:
+            await client.tokenize("x")
+        assert not await client.health()
+    assert caught.value.status is None
+    assert url in str(caught.value) and "after 3 attempts" in str(caught.value)
+    assert time.monotonic() - started < 5
+
+
+async def test_tokenize_detokenize_and_max_model_len(devserver_script: DevBackend) -> None:
+    async with devserver_script.client() as client:
+        ids = await client.tokenize("Hello world")
+        assert ids == [9707, 1879]
+        assert await client.detokenize([*ids, IM_END]) == "Hello world<|im_end|>"
+        assert await client.max_model_len() == 4096
+        assert await client.health()

@@ -1,0 +1,44 @@
+"""A whole stack (embedded Redis, dev backend, prefork workers, gateway) for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from broker.processes import free_port
+from core.settings import Settings
+from deploy.stack import DevBackendOptions, Stack, StackOptions
+
+# Short limits so a killed worker's job is redelivered within the test's patience.
+FAST_LIMITS = {
+    "init_soft_time_limit": 8.0,
+    "init_time_limit": 10.0,
+    "run_soft_time_limit": 8.0,
+    "run_time_limit": 10.0,
+    "eval_soft_time_limit": 8.0,
+    "eval_time_limit": 10.0,
+    "visibility_timeout": 12.0,
+    "redelivery_check_interval": 1.0,
+}
+
+
+def start_stack(
+    data_dir: Path,
+    model_dir: Path,
+    *,
+    script: list[dict[str, Any]] | None = None,
+    workers: dict[str, int] | None = None,
+    **settings: Any,
+) -> Stack:
+    script_path = None
+    if script is not None:
+        script_path = data_dir / "script.jsonl"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        script_path.write_text("".join(json.dumps(entry) + "\n" for entry in script))
+    config = Settings(data_dir=data_dir, port=free_port(), **{**FAST_LIMITS, **settings})
+    options = StackOptions(
+        workers=workers or {"init": 1, "run": 2, "eval": 1},
+        dev_backend=DevBackendOptions(model_dir=model_dir, script=script_path),
+    )
+    return Stack(config, options).start()
