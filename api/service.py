@@ -78,7 +78,8 @@ def instance_id_of(task: Task) -> str:
 def validate_task(task: Task, loc: Sequence[str | int]) -> None:
     """Check the task is strict JSON, its handler exists and accepts it; raise a RequestError
     naming the field."""
-    problem = json_problem(task.model_dump())
+    data = task.model_dump()
+    problem = json_problem(data)
     if problem is not None:
         path, message = problem
         raise RequestError(422, message, [*loc, *path])
@@ -90,7 +91,7 @@ def validate_task(task: Task, loc: Sequence[str | int]) -> None:
             422, f"unknown data_source {task.data_source!r}; known: {known}", [*loc, "data_source"]
         ) from None
     try:
-        handler.validate(task.model_dump())
+        handler.validate(data)
     except TaskValidationError as exc:
         raise RequestError(422, exc.message, [*loc, *exc.field.split(".")]) from None
     except Exception as exc:  # a handler (a plugin's) that fails on input it should refuse
@@ -304,10 +305,11 @@ def submit_batch(
     for task in request.tasks:
         group_id = uuid.uuid4().hex
         instance_id = instance_id_of(task)
+        data = task.model_dump()  # one copy for the group: the store keeps it once per group
         for sample in range(request.group_size):
             specs.append(
                 JobSpec(
-                    task=task.model_dump(),
+                    task=data,
                     data_source=task.data_source,
                     instance_id=instance_id,
                     sampling=sampling,

@@ -47,7 +47,8 @@ class Records(StoreBase):
         for spec in specs:
             groups[spec.group_id] = groups.get(spec.group_id, 0) + 1
             if batch_id is not None:
-                group_tasks.setdefault(spec.group_id, json.dumps(spec.task))
+                if spec.group_id not in group_tasks:  # serialised once per group
+                    group_tasks[spec.group_id] = json.dumps(spec.task)
                 where: dict[str | bytes, str] = {
                     "task_key": self._group(spec.group_id),
                     "task_field": "task_json",
