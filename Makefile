@@ -8,11 +8,14 @@ STAMP := $(VENV)/.installed-stamp
 
 install: $(STAMP) system-deps
 
-# bubblewrap runs the sandboxes; tmux is the baseline of bench/tools.py. Installed when
+# bubblewrap runs the sandboxes; slirp4netns and nftables give a box with network its own
+# namespace behind the egress proxy; tmux is the baseline of bench/tools.py. Installed when
 # missing and we are root; otherwise the tests that need them skip and say why.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v slirp4netns >/dev/null || missing="$$missing slirp4netns"; \
+	PATH="$$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || missing="$$missing nftables"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

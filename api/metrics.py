@@ -8,10 +8,12 @@ from threading import Lock
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+from pydantic import ValidationError
 
 from api.service import Services
 from broker.celery_app import QUEUES
-from core.schemas import STAGES, Stats
+from core.schemas import STAGES, SandboxLimitSupport, Stats
+from workers.boxreport import read_reports
 
 
 def queue_depths(svc: Services) -> dict[str, int]:
@@ -65,7 +67,23 @@ def collect_stats(svc: Services) -> Stats:
         backends=svc.pool.in_flight(),
         completed_last_minute=done,
         throughput_per_s=done / 60.0,
+        sandbox_limits=sandbox_limits(svc),
     )
+
+
+def sandbox_limits(svc: Services) -> dict[str, dict[str, SandboxLimitSupport]] | None:
+    """Which box-wide limits each worker node's sandboxes get, as the nodes reported it
+    (`workers.boxreport`); None when none has."""
+    found: dict[str, dict[str, SandboxLimitSupport]] = {}
+    for node, report in read_reports(svc.store.r, svc.settings.key_prefix).items():
+        try:
+            found[node] = {
+                limit: SandboxLimitSupport.model_validate(support)
+                for limit, support in report.items()
+            }
+        except (ValidationError, AttributeError):
+            continue  # written by a worker of another version
+    return found or None
 
 
 class RolloutCollector(Collector):

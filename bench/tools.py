@@ -15,7 +15,10 @@ Measured in one run, on this machine:
   POSTed cell with `BlockingKernelClient.execute_interactive`, as a kernel gateway would;
   both kernels use the same `ipc` transport, so the difference is the HTTP hop;
 - sandbox start-to-ready (create until its tool server answers a `ping`) and stop, for each
-  sandbox backend that runs here (local, and bwrap when bubblewrap is installed).
+  sandbox backend that runs here (local, and bwrap when bubblewrap is installed; a bwrap box
+  with network too, as root with slirp4netns and nftables), and a bwrap box with rlimits only
+  (no cgroup, no disk of its own) as the baseline of the box-wide limits; the JSON says which
+  box-wide limits this host enforces.
 
     .venv/bin/python bench/tools.py [--quick]
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
@@ -56,6 +60,8 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.support.report import failed_baseline, has_failed, print_json, run_baseline
+from sandbox.cgroups import enforced_limits
+from sandbox.network import missing as network_missing
 from sandbox.toolclient import ToolClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -460,17 +466,29 @@ def bench_ipython(socket_path: Path, n: int) -> dict[str, Any]:
 # Start-up -----------------------------------------------------------------------------------
 
 
-def bench_startup(work: Path, n: int, backend: str) -> dict[str, Any]:
-    """A sandbox of `backend` from create until its tool server answers a ping, and its stop."""
+def bench_startup(
+    work: Path, n: int, backend: str, network: bool = False, box_limits: bool = True
+) -> dict[str, Any]:
+    """A sandbox of `backend` (with network: its own namespace, slirp4netns, firewall and
+    egress proxy; without `box_limits`: no cgroup and no disk of its own, rlimits only) from
+    create until its tool server answers a ping, and its stop."""
     from sandbox.backends import get_backend
-    from sandbox.base import SandboxSpec
+    from sandbox.base import Limits, SandboxSpec
 
+    limits = Limits()
+    if not box_limits:
+        unset = dict.fromkeys(
+            ("box_memory_bytes", "box_pids", "box_cpu_shares", "disk_bytes", "disk_inodes")
+        )
+        limits = dataclasses.replace(limits, **unset)
     ready: list[float] = []
     stopped: list[float] = []
-    state_root = work / f"sandboxes-{backend}"
+    name = f"sandboxes-{backend}{'-net' if network else ''}{'' if box_limits else '-rlimits'}"
+    state_root = work / name
     for index in range(n):
         started = time.perf_counter()
-        box = get_backend(backend).create(SandboxSpec(job_id=f"bench-{index}"), state_root)
+        spec = SandboxSpec(job_id=f"bench-{index}", network=network, limits=limits)
+        box = get_backend(backend).create(spec, state_root)
         try:
             box.start(tool_server=True)
             with ToolClient(box.socket_path, timeout=5) as client:
@@ -549,7 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         swerex = run_baseline("SWE-ReX", lambda: bench_swerex(n["swerex_true"], n["swerex_100k"]))
         startup = {"local": bench_startup(work, n["startup"], "local")}
         if have_bwrap:
+            # The baseline first: the same box with rlimits only (no cgroup, no own disk).
+            startup["bwrap, rlimits only"] = bench_startup(
+                work, n["startup"], "bwrap", box_limits=False
+            )
             startup["bwrap"] = bench_startup(work, n["startup"], "bwrap")
+            if not network_missing(os.geteuid() == 0):
+                startup["bwrap with network"] = bench_startup(work, n["startup"], "bwrap", True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -577,6 +601,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ratios[f"swerex/ours_{suffix}"] = ratio(entry["swerex"], entry["ours_unix"], key)
             ratios[f"tcp/unix_{suffix}"] = ratio(entry["ours_tcp"], entry["ours_unix"], key)
+    if "bwrap" in startup:
+        for phase in ("ready", "stop"):
+            ratios[f"bwrap_box_limits/rlimits_only_{phase}_p50"] = ratio(
+                startup["bwrap"][phase], startup["bwrap, rlimits only"][phase]
+            )
     ratios["ipython_http/direct_p50"] = ratio(ipython["http"], ipython["direct"])
     ratios["ipython_http/direct_p99"] = ratio(ipython["http"], ipython["direct"], "p99_ms")
     true = figures["true"]
@@ -595,6 +624,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "at_least_50x_faster_than_swerex": beyond("swerex/ours_true_p50", 50),
         "unix_ahead_of_tcp": beyond("tcp/unix_true_p50", 1, inclusive=False),
+        "box_limits_start_at_most_1_2x": (
+            None
+            if ratios.get("bwrap_box_limits/rlimits_only_ready_p50") is None
+            else not beyond("bwrap_box_limits/rlimits_only_ready_p50", 1.2, inclusive=False)
+        ),
     }
 
     header = f"  {'':<44}{'p50 ms':>10} {'p99 ms':>10}{'vs ours':>10}"
@@ -633,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
         "startup": startup,
         "ratios": ratios,
         "aims": aims,
+        "sandbox_limits_enforced": {
+            name: support.as_dict() for name, support in enforced_limits("bwrap").items()
+        },
         "conditions": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

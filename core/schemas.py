@@ -385,6 +385,29 @@ class EnvTurn(BaseModel):
 Turn = Annotated[ModelTurn | EnvTurn, Field(discriminator="type")]
 
 
+class EgressEvent(BaseModel):
+    """One connection (or name lookup) from a sandbox with network, and what its egress
+    policy made of it."""
+
+    time: float
+    """Unix time of the decision."""
+    kind: Literal["connect", "dns", "log_full"] = "connect"
+    """`connect`: a TCP connection; `dns`: a name lookup that was refused (allowed lookups
+    are not recorded, their connections are); `log_full`: the sandbox's log reached its cap
+    and later events were not recorded."""
+    host: str | None = None
+    """The name the box asked for (TLS server name, HTTP `Host`, or looked-up name); None
+    when it gave none."""
+    port: int | None = None
+    address: str | None = None
+    """The address the box connected to (before it was sent to the egress proxy)."""
+    allowed: bool = False
+    reason: str | None = None
+    """Why it was refused."""
+    error: str | None = None
+    """Why an allowed connection failed (name not found, host unreachable)."""
+
+
 class Trajectory(BaseModel):
     """What the trainer gets for one job (partial while it runs or when it did not complete)."""
 
@@ -415,6 +438,9 @@ class Trajectory(BaseModel):
     hosts: dict[str, str] = Field(default_factory=dict)
     """The worker node that ran each stage (`init`, `run`, `eval`)."""
     error: StageError | None = None
+    egress: list[EgressEvent] = Field(default_factory=list)
+    """The connections a sandbox with network tried during the episode, allowed or refused,
+    in order (empty without network)."""
     turns: list[Turn] = Field(default_factory=list)
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
@@ -506,6 +532,14 @@ class Readiness(BaseModel):
     """What is missing, e.g. `a worker on queue eval`, `a healthy backend`."""
 
 
+class SandboxLimitSupport(BaseModel):
+    """Whether one box-wide sandbox limit holds on a worker node, and how (or why not)."""
+
+    enforced: bool
+    detail: str
+    """How it is enforced (the cgroup file, the box's tmpfs), or why it is not."""
+
+
 class Stats(BaseModel):
     """`GET /v1/stats`: a snapshot of the fleet."""
 
@@ -521,6 +555,9 @@ class Stats(BaseModel):
     """In-flight jobs per backend."""
     completed_last_minute: int
     throughput_per_s: float
+    sandbox_limits: dict[str, dict[str, SandboxLimitSupport]] | None = None
+    """Per worker node: which box-wide limits its sandboxes get (`memory`, `pids`, `cpu`,
+    `disk`, `inodes`), enforced or not; None until a worker has reported."""
 
 
 class FieldError(BaseModel):

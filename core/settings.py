@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from core.egress import HostRule, parse_allow_list
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -135,6 +137,30 @@ class Settings(BaseSettings):
     """Where tool-using jobs run: `bwrap`, `apptainer`, `local` (no isolation) or `auto`."""
     sandbox_dir: Path = Path(".rollserve/sandboxes")
     """This host's sandbox state: one directory per live sandbox (sockets, workspaces)."""
+    sandbox_memory_mb: int = Field(default=4096, ge=32)
+    """MiB of memory one sandbox holds as a whole: all its processes together, and what they
+    write to /tmp, /dev/shm and a workspace on the box's own disk (one cgroup per box, where
+    the host enforces it: `GET /v1/stats` says). Past it the kernel kills one of the box's
+    processes. A task may ask for less (`sandbox.limits.memory_mb`)."""
+    sandbox_pids: int = Field(default=512, ge=16)
+    """Processes and threads one sandbox may have at once, all together; a fork past it
+    fails. A task may ask for fewer (`sandbox.limits.pids`)."""
+    sandbox_cpu_shares: int = Field(default=1024, ge=2, le=262_144)
+    """A sandbox's weight against the others when the CPUs are contended (cgroup v1
+    `cpu.shares`, 1024 being one equal share; cgroup v2 `cpu.weight` is derived from it)."""
+    sandbox_disk_mb: int = Field(default=2048, ge=1)
+    """MiB one sandbox's workspace, /tmp and /dev/shm hold together (a tmpfs of its own per
+    box, where the service may mount one: as root); a write past it fails with ENOSPC. Those
+    pages are memory, counted against `sandbox_memory_mb` too, so keep this below it. A task
+    may ask for less (`sandbox.limits.disk_mb`)."""
+    sandbox_inodes: int = Field(default=262_144, ge=64)
+    """Files and directories one sandbox's workspace, /tmp and /dev/shm hold together (the
+    same tmpfs). A task may ask for fewer (`sandbox.limits.inodes`)."""
+    sandbox_extra_paths: str | None = None
+    """Host paths bubblewrap boxes see read-only besides the minimal root (the system's
+    programs and libraries, the parts of /etc they read): absolute paths separated by `,` or
+    `:`. The bwrap backend reads this variable from the environment of the process that makes
+    the boxes."""
     cancel_grace: float = Field(default=1.0, ge=0.0)
     """Seconds a cancelled job's running stage gets to stop by itself (RUN notices within one
     turn) before it is terminated (Celery revoke with terminate, which costs a pool process)."""
@@ -142,6 +168,11 @@ class Settings(BaseSettings):
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0
     """Default seconds for one bash or ipython call of an agent."""
+    sandbox_egress_allow: str | None = None
+    """Hosts a sandbox with network may ever connect to: comma-separated host names and
+    suffix patterns (`pypi.org,*.pythonhosted.org`), each with an optional `:port` (without
+    one: 443 and 80). A task names the hosts it needs in `egress`; one outside this list is
+    refused at submission. Unset: a box with network reaches no host outside."""
     swe_repo_roots: str | None = None
     """Directories `swe` tasks may name host repositories (`environment.repo_path`) under:
     absolute paths separated by `,` or `:`. Unset: tasks with a host repository are
@@ -171,6 +202,12 @@ class Settings(BaseSettings):
         parse_networks(value)  # raises ValueError naming the entry that is not a network
         return value
 
+    @field_validator("sandbox_egress_allow")
+    @classmethod
+    def _check_sandbox_egress_allow(cls, value: str | None) -> str | None:
+        parse_allow_list(value)  # raises ValueError naming the entry that is not a host
+        return value
+
     @field_validator("swe_repo_roots")
     @classmethod
     def _check_swe_repo_roots(cls, value: str | None) -> str | None:
@@ -181,6 +218,14 @@ class Settings(BaseSettings):
                 raise ValueError(
                     "/ would allow every path; name the directories of the repositories"
                 )
+        return value
+
+    @field_validator("sandbox_extra_paths")
+    @classmethod
+    def _check_sandbox_extra_paths(cls, value: str | None) -> str | None:
+        for path in _split_roots(value):
+            if not os.path.isabs(path):
+                raise ValueError(f"{path!r} is not an absolute path")
         return value
 
     @field_validator("tenant_tokens")
@@ -235,6 +280,11 @@ class Settings(BaseSettings):
     def backend_network_list(self) -> tuple[IPNetwork, ...]:
         """`backend_networks` parsed (empty when unset)."""
         return parse_networks(self.backend_networks)
+
+    @property
+    def sandbox_egress_cap(self) -> tuple[HostRule, ...]:
+        """`sandbox_egress_allow` parsed (empty when unset)."""
+        return parse_allow_list(self.sandbox_egress_allow)
 
     @property
     def swe_repo_root_list(self) -> tuple[Path, ...]:

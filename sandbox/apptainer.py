@@ -2,11 +2,12 @@
 
 A sandbox is one instance started through spython (`instance start`) with `--contain`
 (no host directories but the binds; the current directory is not mounted either),
-`--writable-tmpfs`, `--no-home`, `--cleanenv`, and `--net --network none` while the network
-is off; `--fakeroot` when the backend is made with it. The binds are the socket directory
-(`/rollserve/sock`), the workspace (`/workspace`), the spec's, and the service's Python and
-packages read-only at their host paths, so the tool server runs from the service's own
-environment (the image must be able to run that interpreter: same libc family).
+`--writable-tmpfs`, `--no-home`, `--cleanenv`, and `--net --network none` (a spec with network
+is refused: it would share the host's); `--fakeroot` when the backend is made with it. The
+binds are the socket directory (`/rollserve/sock`), the workspace (`/workspace`), the spec's,
+and the service's Python and packages read-only at their host paths, so the tool server runs
+from the service's own environment (the image must be able to run that interpreter: same libc
+family).
 
 Images: a `.sif` file (or sandbox directory) is used as is; a `docker://` (or other URI)
 reference is built once per node into a `.sif` in the cache directory, named after the
@@ -19,6 +20,10 @@ this module; spython starts, lists and stops instances and builds images.
 Processes of an instance share its namespaces: an `exec` that outlives its timeout is killed
 with its process group, and `stop` ends the whole instance. As root without `--fakeroot`,
 RLIMIT_NPROC is not enforced (the kernel exempts uid 0): run the service unprivileged.
+
+The box-wide limits (memory, processes, CPU share) are passed as apptainer's own cgroup flags
+(`--memory`, `--pids-limit`, `--cpu-shares`) where it can apply them (`cgroup_options`);
+the box has no disk of its own, so its disk limits are not enforced.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ from typing import Any, ClassVar
 from sandbox.base import (
     SOCKET_DIR_INSIDE,
     WORKSPACE_INSIDE,
+    Limits,
     SandboxBackend,
     SandboxError,
     SandboxInfo,
     SandboxSpec,
 )
+from sandbox.cgroups import host_cgroups
 from sandbox.process import ProcessSandbox
 from sandbox.procs import kill_box_processes, labelled_pids, process_matches, process_start_time
 from sandbox.startup import host_env, launcher_argv, service_paths
@@ -148,6 +155,24 @@ def stop_instance(name: str, timeout: float = 30.0) -> None:
     )
 
 
+def cgroup_options(limits: Limits) -> list[str]:
+    """Apptainer's own cgroup flags for the box-wide limits, where it can apply them here:
+    as root on a host with cgroups for boxes, or rootless on cgroup v2 (through systemd);
+    none elsewhere, since apptainer refuses to start an instance it cannot limit."""
+    host, _ = host_cgroups()
+    if host is None or (os.geteuid() != 0 and host.version != 2):
+        return []
+    options = []
+    if limits.box_memory_bytes is not None:
+        memory = limits.box_memory_bytes
+        options += [f"--memory={memory}", f"--memory-swap={memory}"]
+    if limits.box_pids is not None:
+        options.append(f"--pids-limit={limits.box_pids}")
+    if limits.box_cpu_shares is not None and host.cpu:
+        options.append(f"--cpu-shares={limits.box_cpu_shares}")
+    return options
+
+
 class ApptainerSandbox(ProcessSandbox):
     """A sandbox in one Apptainer instance."""
 
@@ -175,7 +200,7 @@ class ApptainerSandbox(ProcessSandbox):
             options += ["--bind", f"{Path(bind.host).resolve()}:{bind.inside}:{mode}"]
         options += ["--bind", f"{self.workspace}:{WORKSPACE_INSIDE}:rw"]
         options += ["--bind", f"{self.state_dir / 'sock'}:{SOCKET_DIR_INSIDE}:rw"]
-        return options
+        return options + cgroup_options(self.spec.limits)
 
     def _passed_env(self, env: dict[str, str]) -> dict[str, str]:
         # Under --cleanenv only prefixed host variables reach the container; this way values
@@ -284,6 +309,12 @@ class ApptainerBackend(SandboxBackend):
         ok, why = self.available()
         if not ok:
             raise SandboxError(why)
+        if spec.network:
+            raise SandboxError(
+                "apptainer boxes cannot have network: only bwrap gives a box a network "
+                "namespace of its own behind the egress proxy (sandbox.network), and a box "
+                "never shares the host's"
+            )
         reference = spec.root or self.default_image
         if reference is None:
             raise SandboxError("an apptainer sandbox needs an image: spec.root or default_image")

@@ -43,16 +43,34 @@ class Bind:
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of every process in the box: rlimits, so per process, except
+    """Resource limits of the box. The first four are rlimits, so per process, except
     `processes`, which bounds the processes and threads of one box (of one `exec`, or of the
-    tool server's box) where the box has a user namespace or a uid of its own. None leaves a
-    limit unset."""
+    tool server's box) where the box has a user namespace or a uid of its own. The `box_`
+    and `disk_` ones hold for the box as a whole (its main box and every `exec` together)
+    where the host enforces them (`sandbox.cgroups.enforced_limits`). None leaves a limit
+    unset."""
 
     cpu_seconds: int | None = 600
     memory_bytes: int | None = 4 << 30
-    """Address space of each process; also the size cap of the box's /tmp and /dev/shm."""
+    """Address space of each process; where the box has no disk of its own, also the size
+    cap of its /tmp and /dev/shm unless `disk_bytes` is set."""
     processes: int | None = 512
     file_size_bytes: int | None = 1 << 30
+    box_memory_bytes: int | None = 4 << 30
+    """Memory of the whole box: all its processes and the tmpfs pages they write (/tmp,
+    /dev/shm, the box's own disk), counted in one cgroup; past it the kernel OOM-kills one of
+    the box's processes."""
+    box_pids: int | None = 512
+    """Processes and threads of the whole box (cgroup `pids.max`); a fork past it fails."""
+    box_cpu_shares: int | None = 1024
+    """The box's weight against other boxes when the CPUs are contended (cgroup v1
+    `cpu.shares`; v2 `cpu.weight` is derived from it, 1024 being 100)."""
+    disk_bytes: int | None = 2 << 30
+    """Bytes the workspace, /tmp and /dev/shm hold together (the box's own tmpfs); writes
+    past it fail with ENOSPC. Without a disk of its own, the size cap of /tmp and /dev/shm
+    each. Keep it below `box_memory_bytes`: those pages count against it too."""
+    disk_inodes: int | None = 262_144
+    """Files, directories and links the workspace, /tmp and /dev/shm hold together."""
 
 
 @dataclass
@@ -68,6 +86,11 @@ class SandboxSpec:
     binds: list[Bind] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     network: bool = False
+    """A network namespace of the box's own (never the host's) with outbound access through
+    the egress proxy (`sandbox.network`); False: loopback only."""
+    egress: list[str] = field(default_factory=list)
+    """With `network`: the hosts the box may connect to (`core.egress` rules: `host` or
+    `host:port`); every other connection and name lookup is refused."""
     limits: Limits = Limits()
     lease_seconds: float = 3600.0
     """The reaper may kill the box this long after it was created."""
@@ -79,8 +102,10 @@ class ExecResult:
     """How a one-off command in the box ended.
 
     `killed_by` names the limit the command ran into (`cpu_seconds`, `memory_bytes`,
-    `processes`, `file_size_bytes`) when its end shows one, else the signal that ended it
-    (`SIGKILL` also when the timeout did: then `timed_out` is true), else None.
+    `processes`, `file_size_bytes`, or `box_memory` / `box_pids` when the box's cgroup
+    counted an OOM kill / a refused fork while it failed) when its end shows one, else the
+    signal that ended it (`SIGKILL` also when the timeout did: then `timed_out` is true),
+    else None.
     """
 
     returncode: int
@@ -94,6 +119,12 @@ class ExecResult:
 
 class SandboxError(RuntimeError):
     """A sandbox could not be created, started or used; the message says why."""
+
+
+class SandboxSecurityError(Exception):
+    """Something the host relies on to talk to a box, or to grade it, is not what the host
+    made: a substituted socket, a process that is not the box's. Never a grade: the stage
+    that meets it fails with this error (job error type `security`)."""
 
 
 @dataclass
@@ -120,6 +151,12 @@ class SandboxInfo:
     """Start time of `pid` in clock ticks after boot, so a reused pid is never mistaken."""
     instance: str | None = None
     """Apptainer instance name."""
+    halted: bool = False
+    """The box's processes were killed on purpose (`Sandbox.halt`); its files stay."""
+    cgroup: list[str] | None = None
+    """The box's cgroup directories, one per hierarchy (`sandbox.cgroups`)."""
+    disk: str | None = None
+    """Host path of the box's own tmpfs (`sandbox.boxdisk`)."""
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -178,6 +215,18 @@ class Sandbox(ABC):
     def stop(self) -> None:
         """Kill every process of the box and remove the state dir (a given workspace is
         kept). Idempotent, and safe while another thread runs `exec`."""
+
+    @abstractmethod
+    def halt(self) -> None:
+        """Kill every process of the box (the tool server, the agent's commands and whatever
+        they left running) but keep the box's files, so `exec` can still run fresh commands
+        over its workspace: what grading does once the agent's turns are over. A halted box
+        is not `alive`. SandboxError once the box is stopped."""
+
+    @property
+    @abstractmethod
+    def halted(self) -> bool:
+        """True once `halt` ran."""
 
     @abstractmethod
     def alive(self) -> bool:

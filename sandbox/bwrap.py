@@ -1,10 +1,13 @@
 """Boxes made with bubblewrap: rootless, namespaced, on the host's kernel.
 
-The box sees a root filesystem read-only (the host's `/`, or a given directory), a writable
-`/workspace`, private `/tmp` and `/dev/shm` (tmpfs, capped), fresh `/dev` and `/proc`. Host
-directories that hold secrets (`/root`, `/home`, `/run`, and the state root with every other
-sandbox's files) are covered with empty tmpfs. All namespaces are unshared (the network's
-only when it is off); the box dies with the process that started it.
+The box sees a root filesystem read-only (a given directory whole, or of the host's `/` only
+`MINIMAL_ROOT`, the service's Python and the backend's extra paths), a writable
+`/workspace`, private `/tmp` and `/dev/shm` (tmpfs, capped), fresh `/dev` and `/proc`.
+The state root, with every other sandbox's files, is covered with an empty tmpfs wherever a
+bind would show it, and so are `hidden` host directories (`/root`, `/home`, `/run`) wherever
+the box would see them. All namespaces are unshared; a box with network (as root only) runs
+in its sandbox's own network namespace, behind the egress proxy (`sandbox.network`), never in
+the host's. The box dies with the process that started it.
 
 The tool server's socket is not in the box's filesystem at all: the host binds it in the
 state dir's `sock/` (the service's, mode 0700), the box's main process inherits it as a file
@@ -22,24 +25,35 @@ Two modes, chosen by who runs the service:
   nested ones: `--disable-userns`). RLIMIT_NPROC counts per user namespace, so each box gets
   its own process budget.
 
+Limits for the box as a whole: every box (the main one and each `exec`) is started inside the
+sandbox's cgroup (`sandbox.cgroups`) where the host has cgroups for boxes; as root, the
+workspace, /tmp and /dev/shm live on one tmpfs of the sandbox's own (`sandbox.boxdisk`),
+bound in place of bwrap's size-capped tmpfs.
+
 bwrap cannot create mount points on a read-only bind, so the root is laid out in bwrap's
-tmpfs: each top-level entry of the root is bound on its own, and a directory on the way to a
-mount point that does not exist in the root (`/workspace`, the service's Python outside the
-root) is rebuilt from its entries the same way.
+tmpfs: each top-level entry of the root the box sees is bound on its own (a symlink is made as
+a symlink), a directory the box sees only part of (the host's `/etc`) is made with just those
+parts, a directory on the way to a mount point that does not exist in the root (`/workspace`,
+the service's Python outside the root) is rebuilt from its entries the same way, and one the
+box does not see at all (`/root` above a pyenv Python) is made empty.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import re
 import shutil
 import stat
 import subprocess
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from core.egress import EgressRuleError, HostRule, parse_rule
 from sandbox.base import (
     WORKSPACE_INSIDE,
     SandboxBackend,
@@ -47,12 +61,48 @@ from sandbox.base import (
     SandboxInfo,
     SandboxSpec,
 )
+from sandbox.boxdisk import SHM_DIR, TMP_DIR
+from sandbox.network import BoxNetwork, missing, nsenter_argv, resolv_conf
 from sandbox.process import ProcessSandbox
+from sandbox.procs import LABEL_ID
 from sandbox.startup import host_env, service_paths
-from sandbox.statedir import pick_free_uid, prepare_state
+from sandbox.statedir import pick_free_uid, prepare_state, release_state
 
+MINIMAL_ROOT: tuple[str, ...] = (
+    # Programs and libraries; on a merged-/usr host the top-level ones are symlinks into /usr.
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+    # Users and groups (names in `ls -l` and `ps`), name service, the dynamic linker.
+    "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/host.conf",
+    "/etc/gai.conf", "/etc/protocols", "/etc/services",
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
+    # Time zone, TLS (Python's ssl, git, pip and curl read /etc/ssl), the system's name.
+    "/etc/localtime", "/etc/timezone", "/etc/ssl/certs", "/etc/ssl/openssl.cnf",
+    "/etc/os-release", "/etc/lsb-release", "/etc/debian_version",
+    # Where /usr links to: alternatives (awk, editor, pager, java), the JDK's configuration.
+    "/etc/alternatives", "/etc/java-*",
+    # Shells and terminals.
+    "/etc/shells", "/etc/profile", "/etc/profile.d", "/etc/bash.bashrc", "/etc/environment",
+    "/etc/inputrc", "/etc/terminfo", "/etc/mtab",
+    # Tools' own system-wide settings: git, pip, Python, Perl, file types.
+    "/etc/gitconfig", "/etc/pip.conf", "/etc/xdg/pip", "/etc/python3*", "/etc/perl",
+    "/etc/mime.types", "/etc/magic", "/etc/magic.mime",
+)  # fmt: skip
+"""What a box on the host's root sees of it, read-only: the system's programs and libraries,
+and the files under /etc that bash, coreutils, procps, grep, sed, awk, git, Python, pip and
+Perl read (users and groups, name service, dynamic linker, time zone, certificates, shell
+start-up, their own settings). Shell-style patterns are expanded; paths the host lacks are
+left out; symlinks stay symlinks (`/bin` on a merged-/usr host).
+
+Nothing else of the host is there: not /etc as a whole (service configurations, keys,
+`resolv.conf`, which only boxes with the network get), /var, /srv, /opt, /mnt, /media, /home,
+/root, /run, /sys, the data directories, the project's checkout, the state root. The service's
+Python (`service_paths()`) is bound on its own; a backend adds `extra_paths`."""
 DEFAULT_HIDDEN = ("/root", "/home", "/run")
-"""Host directories covered with an empty tmpfs in boxes on the host's root."""
+"""Host directories covered with an empty tmpfs wherever a box on the host's root would see
+them (only under an exposed path: with `MINIMAL_ROOT` alone, nowhere)."""
+EXTRA_PATHS_ENV = "ROLLSERVE_SANDBOX_EXTRA_PATHS"
+"""Environment variable naming more host paths boxes on the host's root see read-only
+(separated by `,` or `:`): the default of `BubblewrapBackend(extra_paths=...)`."""
 DEFAULT_UID_RANGE = (0xB0000000, 0xB0000000 + (1 << 24))
 """Host uids boxes run as when the service runs as root: far above any account or subuid."""
 
@@ -81,41 +131,86 @@ def _under(path: str, ancestors: Sequence[str]) -> bool:
     return any(path == a or path.startswith(a.rstrip("/") + "/") for a in ancestors)
 
 
+def _exposed(root_dir: str, expose: Sequence[str] | None) -> list[str]:
+    """The paths of `expose` (shell-style patterns expanded) that the root holds, as the box
+    names them; `["/"]` for None (the whole root)."""
+    if expose is None:
+        return ["/"]
+    found: set[str] = set()
+    for entry in expose:
+        pattern = os.path.join(root_dir, os.path.normpath(entry).lstrip("/"))
+        for match in glob.glob(pattern) if glob.has_magic(pattern) else [pattern]:
+            if os.path.lexists(match):
+                inside = os.path.relpath(match, root_dir)
+                found.add("/" if inside == "." else "/" + inside)
+    return sorted(found)
+
+
+class _View:
+    """Which paths of the root the box sees: those under an exposed path whole, and the
+    directories on the way to one only in part (the exposed entries below them)."""
+
+    def __init__(self, root_dir: str, expose: Sequence[str] | None) -> None:
+        self.root_dir = root_dir
+        self.exposed = _exposed(root_dir, expose)
+        self._exposed = set(self.exposed)
+        self._on_the_way = {"/", *(c for e in self.exposed for c in _components(e)[:-1])}
+
+    def in_root(self, inside: str) -> str:
+        return os.path.join(self.root_dir, inside.lstrip("/"))
+
+    def whole(self, path: str) -> bool:
+        return "/" in self._exposed or any(c in self._exposed for c in _components(path))
+
+    def partial(self, path: str) -> bool:
+        return path in self._on_the_way and not self.whole(path)
+
+    def shows(self, path: str) -> bool:
+        """True if the box has `path` (the root's, or a directory made on the way to one)."""
+        seen = self.whole(path) or self.partial(path)
+        return seen and os.path.lexists(self.in_root(path))
+
+
 def filesystem_args(
     root: str | None,
     mounts: Sequence[Mount],
     *,
+    expose: Sequence[str] | None = None,
     hidden: Sequence[str] = (),
     tmp_bytes: int | None = None,
 ) -> list[str]:
     """bwrap arguments laying out the box's filesystem.
 
-    `root` is a directory (None: the host's `/`, read-only). `mounts` are binds; their mount
-    points need not exist in the root. `hidden` are host paths covered with an empty tmpfs
-    wherever the box would see them. On the host's root, a read-only mount of a path onto
-    itself is skipped when the path is visible anyway.
+    `root` is a directory (None: the host's `/`), read-only. `expose` names the paths of the
+    root the box sees (None: all of it); shell-style patterns are expanded, paths the root
+    lacks are left out, and the directories on the way to an exposed path hold only what is
+    exposed (or mounted) in them. `mounts` are binds; their mount points need not exist in
+    the root. `hidden` are host paths covered with an empty tmpfs wherever the box would see
+    them whole. On the host's root, a read-only mount of a path onto itself is skipped when
+    the path is visible anyway.
     """
-    root_dir = os.path.realpath(root or "/")
-
-    def in_root(inside: str) -> str:
-        return os.path.join(root_dir, inside.lstrip("/"))
+    view = _View(os.path.realpath(root or "/"), expose)
+    in_root = view.in_root
 
     def fresh(path: str) -> bool:
         return path.split("/")[1] in _SPECIAL
 
+    # The box gets fresh /tmp, /dev and /proc (or its own disk's): what it is to see in them
+    # is bound onto them, last.
+    exposed_in_fresh = [e for e in view.exposed if e != "/" and fresh(e)]
+    mounts = [*mounts, *(Mount(in_root(e), e) for e in exposed_in_fresh)]
     hidden = sorted({os.path.normpath(h) for h in hidden if os.path.lexists(h)})
     # Paths covered directly (on the host's root, where the box sees host paths as they are).
     cover = []
     if root is None:
         nested = {h for h in hidden if any(o != h and _under(h, [o]) for o in hidden)}
-        cover = [h for h in hidden if not fresh(h) and h not in nested]
-    top_cover = {h for h in cover if h.count("/") == 1}
+        cover = [h for h in hidden if not fresh(h) and h not in nested and view.whole(h)]
     if root is None:
         # A path under /tmp, /dev or /proc is not "visible anyway": the box gets fresh ones.
         mounts = [
             m for m in mounts
             if m.writable or m.inside != m.source or _under(m.inside, cover)
-            or fresh(m.inside) or not os.path.exists(m.inside)
+            or fresh(m.inside) or not os.path.exists(m.inside) or not view.whole(m.inside)
         ]  # fmt: skip
     mount_points = {m.inside for m in mounts}
 
@@ -132,14 +227,14 @@ def filesystem_args(
         for i, comp in enumerate(comps[:-1]):
             if i == 0 and fresh(comp):
                 break  # in a fresh tmpfs (/tmp, /dev): bwrap makes the rest
-            if not os.path.lexists(in_root(comp)):
+            if not view.shows(comp):
                 expand.update(comps[:i])
                 create += comps[i:-1]
                 break
             if os.path.islink(in_root(comp)) or not os.path.isdir(in_root(comp)):
                 raise SandboxError(f"cannot mount at {m.inside}: {comp} is not a directory")
         else:
-            if not fresh(m.inside) and not os.path.lexists(in_root(m.inside)):
+            if not fresh(m.inside) and not view.shows(m.inside):
                 expand.update(comps[:-1])
 
     args: list[str] = []
@@ -147,13 +242,13 @@ def filesystem_args(
     def layout(directory: str) -> None:
         for name in sorted(os.listdir(in_root(directory))):
             child = os.path.join(directory, name)
-            if (directory == "/" and name in _SPECIAL) or child in top_cover:
+            if (directory == "/" and name in _SPECIAL) or child in cover:
                 continue
-            if child in mount_points:
+            if child in mount_points or not view.shows(child):
                 continue
             source = in_root(child)
-            if child in expand:
-                # Traversable, so the box reaches the mount point below it.
+            if child in expand or (view.partial(child) and not os.path.islink(source)):
+                # Traversable, so the box reaches what is exposed or mounted below it.
                 mode = stat.S_IMODE(os.lstat(source).st_mode) | 0o111
                 args.extend(["--perms", f"{mode:04o}", "--dir", child])
                 layout(child)
@@ -165,6 +260,8 @@ def filesystem_args(
     layout("/")
     args += ["--dev", "/dev", "--proc", "/proc"]
     for path in ("/tmp", "/dev/shm"):
+        if path in mount_points:
+            continue  # the box's own disk, bound below
         args += ["--perms", "1777"]
         if tmp_bytes is not None:
             args += ["--size", str(tmp_bytes)]
@@ -192,28 +289,38 @@ def filesystem_args(
     return args
 
 
+def env_extra_paths() -> list[str]:
+    """The host paths `ROLLSERVE_SANDBOX_EXTRA_PATHS` names (separated by `,` or `:`)."""
+    value = os.environ.get(EXTRA_PATHS_ENV, "")
+    return [part.strip() for part in re.split(r"[,:]", value) if part.strip()]
+
+
 def bwrap_argv(
     executable: str,
     *,
     filesystem: list[str],
     env: dict[str, str],
     workdir: str,
-    network: bool,
+    netns: str | None = None,
     privileged: bool,
     command: list[str],
 ) -> list[str]:
-    """The bwrap command line for a box (see the module docstring for the two modes)."""
-    argv = [executable]
+    """The bwrap command line for a box (see the module docstring for the two modes).
+
+    `netns` is the sandbox's own network namespace (`sandbox.network`), which bwrap then runs
+    in; without it the box gets a fresh one with loopback alone. Never the host's.
+    """
+    if netns is not None and not privileged:
+        raise SandboxError("a box joins a network namespace of its own only as root")
+    argv = [executable] if netns is None else [*nsenter_argv(netns), executable]
     if privileged:
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
-        if not network:
+        if netns is None:
             argv.append("--unshare-net")
         # The launcher needs these two to leave root, and loses them as it does.
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
-        if network:
-            argv.append("--share-net")
     argv += ["--die-with-parent", "--new-session", "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
@@ -222,27 +329,51 @@ def bwrap_argv(
     return [*argv, "--", *command]
 
 
+def disk_mounts(info: SandboxInfo) -> list[Mount]:
+    """/tmp and /dev/shm from the box's own disk, when it has one (`sandbox.boxdisk`)."""
+    if info.disk is None:
+        return []
+    disk = Path(info.disk)
+    return [Mount(str(disk / TMP_DIR), "/tmp", True), Mount(str(disk / SHM_DIR), "/dev/shm", True)]
+
+
+def egress_rules(spec: SandboxSpec) -> tuple[HostRule, ...]:
+    """The hosts a box of `spec` may connect to (host names, `*.domain` patterns, each with
+    an optional port); SandboxError for one it cannot read."""
+    if spec.egress and not spec.network:
+        raise SandboxError("egress rules need a box with network")
+    try:
+        return tuple(parse_rule(text, patterns=True) for text in spec.egress)
+    except EgressRuleError as exc:
+        raise SandboxError(f"egress: {exc}") from None
+
+
 class BubblewrapSandbox(ProcessSandbox):
     """A sandbox in bubblewrap boxes: one for the tool server, a fresh one per `exec`."""
 
     def __init__(self, spec: SandboxSpec, info: SandboxInfo, backend: BubblewrapBackend) -> None:
         super().__init__(spec, info)
         self._backend = backend
+        self._egress_rules = egress_rules(spec)
+        self._network: BoxNetwork | None = None
+        self._network_closed = False
+        self._network_lock = threading.Lock()
         state_root = str(info.state_dir.parent)
         self._filesystem = filesystem_args(
             spec.root,
-            self._mounts(),
+            [*self._mounts(), *disk_mounts(info)],
+            expose=backend.root_paths if spec.root is None else None,
             hidden=[*backend.hidden, state_root] if spec.root is None else [state_root],
-            tmp_bytes=spec.limits.memory_bytes,
+            tmp_bytes=spec.limits.disk_bytes or spec.limits.memory_bytes,
         )
 
     def _mounts(self) -> list[Mount]:
         mounts = [Mount(str(path), str(path)) for path in service_paths()]
         if self.spec.network:
-            resolv = os.path.realpath("/etc/resolv.conf")
-            if os.path.exists(resolv):
-                inside = resolv if self.spec.root is None else "/etc/resolv.conf"
-                mounts.append(Mount(resolv, inside))
+            # Its name server is the egress proxy's resolver (the host's is out of reach).
+            resolv = self.state_dir / "resolv.conf"
+            resolv.write_text(resolv_conf())
+            mounts.append(Mount(str(resolv), "/etc/resolv.conf"))
         for bind in self.spec.binds:
             mounts.append(Mount(str(Path(bind.host).resolve()), bind.inside, not bind.read_only))
         mounts.append(Mount(str(self.workspace), WORKSPACE_INSIDE, writable=True))
@@ -259,11 +390,52 @@ class BubblewrapSandbox(ProcessSandbox):
             filesystem=self._filesystem,
             env=env,
             workdir=self.spec.workdir,
-            network=self.spec.network,
+            netns=self._network_namespace(),
             privileged=self._backend.privileged,
             command=command,
         )
         return argv, host_env(self.id, self.job_id)
+
+    def _network_namespace(self) -> str | None:
+        """The path of the sandbox's network namespace, made on first use (None without
+        network: each box then gets a fresh one with loopback alone)."""
+        if not self.spec.network:
+            return None
+        with self._network_lock:
+            if self._network_closed:
+                raise SandboxError(f"sandbox {self.id} was stopped")
+            if self._network is None:
+                # slirp4netns carries the job's label but not the sandbox's: a halt, which
+                # kills what carries the sandbox's, must not take its interface (and the
+                # routes to the proxy's resolver) from the commands that follow. It ends
+                # with this process through its exit pipe.
+                env = host_env(self.id, self.job_id)
+                del env[LABEL_ID]
+                self._network = BoxNetwork.start(self.state_dir, self._egress_rules, env)
+            return self._network.netns_path
+
+    @property
+    def network(self) -> BoxNetwork | None:
+        """The sandbox's network, once a box with network has started."""
+        return self._network
+
+    def halt(self) -> None:
+        # The agent's turns are over: nothing the box runs from now on reaches outside.
+        with self._network_lock:
+            network = self._network
+        if network is not None:
+            network.close_egress("the agent's turns are over")
+        super().halt()
+
+    def stop(self) -> None:
+        with self._network_lock:
+            self._network_closed = True
+            network, self._network = self._network, None
+        try:
+            super().stop()
+        finally:
+            if network is not None:
+                network.close()
 
 
 class BubblewrapBackend(SandboxBackend):
@@ -275,10 +447,22 @@ class BubblewrapBackend(SandboxBackend):
         self,
         *,
         executable: str | None = None,
+        extra_paths: Sequence[str] | None = None,
         hidden: Sequence[str] = DEFAULT_HIDDEN,
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
     ) -> None:
+        """`extra_paths` are host paths boxes on the host's root see read-only besides
+        `MINIMAL_ROOT` (None: those `ROLLSERVE_SANDBOX_EXTRA_PATHS` names); `hidden` are
+        covered with an empty tmpfs wherever such a box would see them."""
         self.executable = executable or shutil.which("bwrap") or "bwrap"
+        extras = env_extra_paths() if extra_paths is None else list(extra_paths)
+        for path in extras:
+            if not os.path.isabs(path):
+                raise ValueError(f"an extra path for boxes must be absolute: {path!r}")
+        # A symlink is exposed as one, so what it points to is exposed too.
+        resolved = [os.path.realpath(p) for p in extras]
+        # What boxes on the host's root see of it (`filesystem_args(expose=...)`).
+        self.root_paths = tuple(dict.fromkeys([*MINIMAL_ROOT, *extras, *resolved]))
         self.hidden = tuple(hidden)
         self.uid_range = uid_range
         self.privileged = os.geteuid() == 0
@@ -306,7 +490,20 @@ class BubblewrapBackend(SandboxBackend):
             raise SandboxError(why)
         if spec.root is not None and not os.path.isdir(spec.root):
             raise SandboxError(f"the root filesystem {spec.root} is not a directory")
+        if spec.network and (lacking := missing(self.privileged)):
+            raise SandboxError(
+                "a box with network gets a network namespace of its own behind the egress "
+                f"proxy, and this host lacks {', '.join(lacking)}"
+            )
+        egress_rules(spec)  # refuses rules it cannot read before anything is made
         low, high = self.uid_range
         choose = (lambda used: pick_free_uid(used, low, high)) if self.privileged else None
-        info = prepare_state(spec, state_root, self.name, uid_choice=choose)
-        return BubblewrapSandbox(spec, info, self)
+        info = prepare_state(
+            spec, state_root, self.name, uid_choice=choose, own_disk=self.privileged,
+            own_cgroup=True,
+        )  # fmt: skip
+        try:
+            return BubblewrapSandbox(spec, info, self)
+        except BaseException:
+            release_state(info)  # its cgroup and its own disk too
+            raise

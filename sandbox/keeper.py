@@ -12,10 +12,13 @@ or when the box dies. Any process on the host stops it with `release`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -25,7 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from sandbox.backends import get_backend
-from sandbox.base import Bind, Limits, Sandbox, SandboxSpec
+from sandbox.base import (
+    EXEC_OUTPUT_LIMIT,
+    Bind,
+    ExecResult,
+    Limits,
+    Sandbox,
+    SandboxError,
+    SandboxSecurityError,
+    SandboxSpec,
+)
+from sandbox.startup import peer_credentials
 from sandbox.statedir import SocketIdentity
 
 
@@ -192,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_json(sys.stdin.read())
         box = get_backend(args.backend).create(spec, args.state_root)
         box.start(tool_server=True)
+        control = _Control(box)
     except Exception as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
@@ -212,12 +226,166 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + spec.lease_seconds
     try:
         while not stop.wait(0.5):
-            if time.monotonic() > deadline or not box.alive():
+            # A halted box is over by design (its files wait for grading); any other box
+            # that is not running died.
+            if time.monotonic() > deadline or not (box.halted or box.alive()):
                 break
     finally:
+        control.close()
         box.stop()
         drop_log(args.state_root, spec.job_id)
     return 0
+
+
+# --- Fresh commands over the box's files, asked for by workers (grading) ------------------
+
+CONTROL_SOCKET = "keeper.sock"
+"""The keeper's control socket, in the sandbox's state dir (the service's alone, mode 0700;
+no box sees it)."""
+_REQUEST_LIMIT = 64 << 20
+
+
+class _Control:
+    """The keeper's control socket: one JSON request per connection, one JSON answer.
+
+    `{"op": "exec", "argv": [...], "timeout": s, "max_output": n, "input": text|null,
+    "halt": bool}` halts the box first when asked (every process the agent had is killed,
+    its files stay), then runs `argv` as a fresh `exec` box and answers its `ExecResult`;
+    `{"op": "halt"}` only halts. Errors answer `{"error": "..."}`.
+    """
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box = box
+        self.path = box.state_dir / CONTROL_SOCKET
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        self._server.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if peer_credentials(conn)[1] != os.geteuid():
+                    return  # only the service's own processes may ask
+                request = json.loads(_read_all(conn, _REQUEST_LIMIT))
+                answer = self._answer(request)
+            except Exception as exc:  # one bad request never takes the keeper down
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+
+    def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op not in ("exec", "halt"):
+            return {"error": f"unknown op {op!r}"}
+        if op == "halt" or request.get("halt", True):
+            self.box.halt()
+        if op == "halt":
+            return {"halted": True}
+        argv = request["argv"]
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            return {"error": "argv must be a non-empty list of strings"}
+        text = request.get("input")
+        result = self.box.exec(
+            argv,
+            timeout=float(request.get("timeout", 60.0)),
+            input=None if text is None else str(text).encode(),
+            max_output=int(request.get("max_output", EXEC_OUTPUT_LIMIT)),
+        )
+        return dataclasses.asdict(result)
+
+
+def _read_all(conn: socket.socket, limit: int) -> bytes:
+    """The request: everything up to the first newline (or the peer's end of writing)."""
+    data = bytearray()
+    while b"\n" not in data:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            raise ValueError(f"request longer than {limit} bytes")
+    return bytes(data.split(b"\n", 1)[0])
+
+
+def _control_call(
+    kept: KeptSandbox | dict[str, Any], request: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    """Send `request` to the keeper of `kept` and return its answer.
+
+    The socket is checked before anything is sent: a socket file (not a link) in the state
+    dir, served by the keeper's own process (peer pid); else SandboxSecurityError.
+    """
+    info = kept.as_dict() if isinstance(kept, KeptSandbox) else kept
+    path = Path(str(info["state_dir"])) / CONTROL_SOCKET
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise SandboxError(f"the keeper of job {info['job_id']} is gone ({path}: {exc})") from exc
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise SandboxSecurityError(f"{path} is not the keeper's socket (mode {st.st_mode:o})")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout)
+        try:
+            conn.connect(str(path))
+        except OSError as exc:
+            raise SandboxError(f"cannot reach the keeper of job {info['job_id']}: {exc}") from exc
+        pid = peer_credentials(conn)[0]
+        if pid != int(info["keeper_pid"]):
+            raise SandboxSecurityError(
+                f"{path} is served by pid {pid}, not the keeper (pid {info['keeper_pid']})"
+            )
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        try:
+            raw = _read_all(conn, 1 << 30)
+        except TimeoutError as exc:
+            raise SandboxError(f"the keeper of job {info['job_id']} did not answer") from exc
+    if not raw:
+        raise SandboxError(f"the keeper of job {info['job_id']} closed without an answer")
+    answer: dict[str, Any] = json.loads(raw)
+    if "error" in answer:
+        raise SandboxError(f"sandbox of job {info['job_id']}: {answer['error']}")
+    return answer
+
+
+def halt(kept: KeptSandbox | dict[str, Any], timeout: float = 30.0) -> None:
+    """Kill every process of the kept box; its files stay until it is released."""
+    _control_call(kept, {"op": "halt"}, timeout)
+
+
+def exec_fresh(
+    kept: KeptSandbox | dict[str, Any],
+    argv: list[str],
+    *,
+    timeout: float = 60.0,
+    input: str | None = None,
+    max_output: int = EXEC_OUTPUT_LIMIT,
+    halt: bool = True,
+) -> ExecResult:
+    """Run `argv` in a fresh box over the kept box's files (same root, binds, workspace,
+    limits; its own /tmp), after halting the box when `halt`: nothing the agent started,
+    stopped or replaced takes part."""
+    request = {"op": "exec", "argv": argv, "timeout": timeout, "input": input,
+               "max_output": max_output, "halt": halt}  # fmt: skip
+    answer = _control_call(kept, request, timeout + 30.0)
+    return ExecResult(**answer)
 
 
 def _socket_record(box: Sandbox) -> dict[str, int] | None:

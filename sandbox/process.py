@@ -26,6 +26,7 @@ from sandbox.base import (
     SandboxInfo,
     SandboxSpec,
 )
+from sandbox.cgroups import box_end, enter_argv, read_counters
 from sandbox.procs import explain_end, kill_box_processes, kill_group, process_start_time
 from sandbox.startup import (
     await_ready,
@@ -179,6 +180,7 @@ class ProcessSandbox(Sandbox):
         self._main: subprocess.Popen[bytes] | None = None
         self._execs: set[subprocess.Popen[bytes]] = set()
         self._stopped = False
+        self._halted = False
         self.socket_identity: SocketIdentity | None = None
         """The tool server's socket and process, recorded once it listens."""
 
@@ -194,6 +196,10 @@ class ProcessSandbox(Sandbox):
 
     def _limits(self) -> Limits:
         return self.spec.limits
+
+    def _in_box_cgroup(self, argv: list[str]) -> list[str]:
+        """The host command `argv`, entering the box's cgroup first when it has one."""
+        return enter_argv(self.info.cgroup, argv) if self.info.cgroup else argv
 
     def _box_env(self, extra: dict[str, str] | None) -> dict[str, str]:
         return box_env(self.spec, self.id, extra)
@@ -280,6 +286,7 @@ class ProcessSandbox(Sandbox):
         """Start the box's long-lived process (`command` inside it), logging to box.log;
         it inherits `ready_fd` and `socket_fd` (same numbers) when given."""
         argv, env = self._host_process(command, self._box_env(None), ready_fd)
+        argv = self._in_box_cgroup(argv)
         with open(self.state_dir / "box.log", "ab") as box_log:
             return subprocess.Popen(
                 argv,
@@ -337,6 +344,7 @@ class ProcessSandbox(Sandbox):
                 raise SandboxError(f"sandbox {self.id} was stopped")
         command = launcher_argv(self.python, self._limits(), list(argv), self.info.uid)
         host_argv, host_env_ = self._host_process(command, self._box_env(env), None)
+        host_argv = self._in_box_cgroup(host_argv)
         spawned: list[subprocess.Popen[bytes]] = []
 
         def track(proc: subprocess.Popen[bytes]) -> None:
@@ -347,8 +355,9 @@ class ProcessSandbox(Sandbox):
             if stopped:  # stop() ran between our check and the spawn
                 self._kill_exec(proc)
 
+        before = read_counters(self.info.cgroup)
         try:
-            return run_boxed(
+            result = run_boxed(
                 host_argv,
                 env=host_env_,
                 timeout=timeout,
@@ -361,6 +370,10 @@ class ProcessSandbox(Sandbox):
         finally:
             with self._lock:
                 self._execs.difference_update(spawned)
+        if self.info.cgroup and not result.timed_out:
+            after = read_counters(self.info.cgroup)
+            result.killed_by = box_end(before, after, result.returncode, result.killed_by)
+        return result
 
     def stop(self) -> None:
         with self._lock:
@@ -377,6 +390,30 @@ class ProcessSandbox(Sandbox):
                 type(self)._terminate_box(info)
                 release_state(info)
 
+    def halt(self) -> None:
+        with self._lock:
+            if self._stopped:
+                raise SandboxError(f"sandbox {self.id} was stopped")
+            self._halted = True
+            procs = [p for p in (self._main, *self._execs) if p is not None]
+        with locked(state_lock(self.state_dir)) as held:
+            info = read_info(self.state_dir) if held else None
+            if info is None:
+                raise SandboxError(f"sandbox {self.id} is gone")
+            # Recorded first, so no reaper takes the box's end for a crash.
+            info.halted = self.info.halted = True
+            write_info(info)
+        for proc in procs:
+            self._kill_exec(proc)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+        type(self)._terminate_box(info)
+
+    @property
+    def halted(self) -> bool:
+        return self._halted
+
     def alive(self) -> bool:
         main = self._main
-        return main is not None and main.poll() is None and not self._stopped
+        return main is not None and main.poll() is None and not self._stopped and not self._halted

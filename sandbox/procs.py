@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandbox.cgroups import kill_cgroup, kill_if
+
 if TYPE_CHECKING:
     from sandbox.base import SandboxInfo
 
@@ -70,23 +72,11 @@ def kill_labelled(sandbox_id: str) -> int:
     between the scan and the kill is never hit.
     """
     needle = f"{LABEL_ID}={sandbox_id}".encode()
-    killed = 0
-    for pid in labelled_pids(sandbox_id):
-        if pid == os.getpid():
-            continue
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            if _environ_has(pid, needle):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                killed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(pidfd)
-    return killed
+    return sum(
+        kill_if(pid, lambda p: _environ_has(p, needle))
+        for pid in labelled_pids(sandbox_id)
+        if pid != os.getpid()
+    )
 
 
 def kill_group(pgid: int | None) -> None:
@@ -98,12 +88,14 @@ def kill_group(pgid: int | None) -> None:
 
 
 def kill_box_processes(info: SandboxInfo, *, wait: float = 5.0) -> None:
-    """Kill the box's main process group and every labelled process; wait until none is left."""
+    """Kill the box's main process group, every labelled process and whatever is left in
+    its cgroup; wait until none is left."""
     if process_matches(info.pid, info.start_time):
         kill_group(info.pgid)
     deadline = time.monotonic() + wait
     while kill_labelled(info.id) and time.monotonic() < deadline:
         time.sleep(0.005)
+    kill_cgroup(info.cgroup, wait=max(0.0, deadline - time.monotonic()))
 
 
 def signal_name(number: int) -> str:

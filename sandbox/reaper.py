@@ -7,7 +7,9 @@ every process labelled with the sandbox's id, then removes its state dir. Sweeps
 at the same time in several processes: a sandbox is reaped under its state dir's lock, by
 whoever takes it first. Sandboxes another host recorded (a state root on a shared file
 system) are left to that host. Grading boxes (`GRADING_DIR`) are swept with their state root,
-and so are the job data dirs (`JOB_DATA_DIR`) and keeper logs of jobs that are over.
+and so are the job data dirs (`JOB_DATA_DIR`) and keeper logs of jobs that are over. A box's
+own disk is unmounted and its cgroup removed with its state dir; box cgroups nothing names
+any more are removed once they are old and empty (`CGROUP_GRACE_SECONDS`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from sandbox.backends import backend_class
 from sandbox.base import SandboxInfo
+from sandbox.cgroups import kill_cgroup, remove_cgroup, sweep_cgroups
 from sandbox.procs import process_matches
 from sandbox.statedir import (
     TOMBSTONE_PREFIX,
@@ -56,6 +59,9 @@ def job_data_dir(state_root: Path, name: str) -> Path:
 ORPHAN_GRACE_SECONDS = 300.0
 """A state dir without a readable meta.json is removed once it is this old (a create that
 crashed between making the directory and recording it)."""
+CGROUP_GRACE_SECONDS = 3600.0
+"""A box cgroup of this host that holds no process and that no sandbox under the state root
+names is removed once it is this old (a stop or a create that crashed midway)."""
 
 
 def _state_dirs(state_root: Path) -> list[Path]:
@@ -81,7 +87,7 @@ def why_reap(info: SandboxInfo, job_is_live: Callable[[str], bool], now: float) 
         return None
     if not live:
         return f"job {info.job_id} is over"
-    if info.pid is not None and not process_matches(info.pid, info.start_time):
+    if info.pid is not None and not info.halted and not process_matches(info.pid, info.start_time):
         return "its box is gone"
     return None
 
@@ -133,6 +139,9 @@ def reap(
             backend_class(current.backend).terminate(current)
             release_state(current)
             reaped.append(current.id)
+    known = {d.name for root in roots for d in _state_dirs(root)}
+    for name in sweep_cgroups(known, CGROUP_GRACE_SECONDS):
+        log.info("removed the cgroup of sandbox %s: its box was gone", name)
     return reaped
 
 
@@ -175,6 +184,10 @@ def _clear_tombstones(state_root: Path, now: float) -> None:
         return
     for entry in state_root.iterdir():
         if entry.name.startswith(TOMBSTONE_PREFIX) and _orphaned(entry, now):
+            info = read_info(entry)
+            if info is not None and info.cgroup:
+                kill_cgroup(info.cgroup)
+                remove_cgroup(info.cgroup)
             remove_tree(entry)
 
 

@@ -134,9 +134,10 @@ def record_tool_socket(path: Path, box_pid: int | None) -> SocketIdentity:
     return SocketIdentity(dev=st.st_dev, ino=st.st_ino, pid=pid, uid=uid)
 
 
-def source_root() -> Path:
-    """The directory holding the rollserve packages (so `-m sandbox.toolserver` imports)."""
-    return Path(__file__).resolve().parent.parent
+def package_dir() -> Path:
+    """The directory of the `sandbox` package, the only part of the service a box runs
+    (`python -m sandbox.toolserver` imports nothing else of it)."""
+    return Path(__file__).resolve().parent
 
 
 # Prefixes that hold the whole system, not just Python: never bound whole over a root.
@@ -144,15 +145,19 @@ _SYSTEM_PREFIXES = frozenset({Path("/"), Path("/usr"), Path("/usr/local")})
 
 
 def service_paths() -> list[Path]:
-    """Host paths a box needs read-only to run the service's interpreter and packages.
+    """Host paths a box needs read-only to run the service's interpreter and the tool server.
 
     A prefix of its own (a venv, pyenv, conda) is taken whole; of a system prefix (`/usr`)
-    only Python's parts: the interpreter, the standard library and site-packages.
+    only Python's parts: the interpreter, the standard library and site-packages. Of the
+    service's own code only the `sandbox` package, at its host path: the box's Python finds
+    it as the service's does (through site-packages, where an editable install's finder or
+    `.pth` names that path), and the rest of a checkout holding it (results, state, logs,
+    the other packages) stays out of the box.
     """
     interpreter = Path(os.path.realpath(sys.executable))
     prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     prefixes.add(interpreter.parent.parent)
-    candidates = {source_root()}
+    candidates = {package_dir()}
     candidates.update(p for p in prefixes if p not in _SYSTEM_PREFIXES)
     if prefixes & _SYSTEM_PREFIXES:
         candidates.add(interpreter)

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from sandbox.base import SandboxSecurityError
 from sandbox.startup import peer_credentials
 from sandbox.statedir import SOCKET_RECORD, SocketIdentity, meta_path, read_socket_identity
 from sandbox.toolserver import protocol
@@ -62,7 +63,7 @@ class ToolCallTimeout(ToolServerUnavailable):
     """The server did not answer a call in time (the connection is dropped)."""
 
 
-class ToolSocketUntrusted(Exception):
+class ToolSocketUntrusted(SandboxSecurityError):
     """The socket or the process behind it is not the box's tool server, as the host recorded
     it when the server started: a symlink, another socket, or another process listening. Not
     a ToolClientError, so nothing that handles a broken tool call mistakes it for one (or

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from routing.protocol import KnowsRefusedIds, PolicyClient
 from routing.vllm import OutOfVocabularyError
+from sandbox.base import SandboxSecurityError
 from workers.handlers.base import Handler
 from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
@@ -197,6 +198,8 @@ async def _run_calls(
                 arguments.setdefault("timeout", timeout)
             try:
                 content = format_result(call.name, await runner.call(call.name, **arguments))
+            except SandboxSecurityError:
+                raise  # the stage fails as a security error; the model never sees it
             except Exception as exc:  # the model's mistake (bad arguments) or the tool's
                 content = f"Error: {getattr(exc, 'message', None) or exc}"
         replies.append({"role": "tool", "content": content})

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from broker.jobstore import JobRecord
 from core.schemas import TERMINAL_STATUSES, JobStatus, Trajectory
+from sandbox.egress import read_events
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
+from workers.freshshell import FreshShell
 from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
 from workers.process_state import Runtime
@@ -119,9 +122,12 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     trajectory.stop_reason = episode.stop_reason
     trajectory.truncated = episode.truncated
     if record.sandbox is not None:
-        tool_timeout = rt.settings.tool_timeout
-        with ToolClient(record.sandbox["socket_path"], timeout=tool_timeout) as tools:
-            trajectory.outcome = handler.collect_outcome(record.task, tools)
+        # The agent's turns are over: nothing it started runs on, and what it produced is
+        # read by fresh processes (workers.freshshell), not through its tool server.
+        shell = FreshShell(record.sandbox)
+        shell.halt()
+        trajectory.outcome = handler.collect_outcome(record.task, shell)
+        trajectory.egress = read_events(Path(record.sandbox["state_dir"]))
         if not handler.grades_in_sandbox:
             rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
     rt.store.save_partial(job_id, trajectory)
@@ -177,10 +183,8 @@ def eval_stage(rt: Runtime, job_id: str) -> bool:
     texts = [turn.text for turn in trajectory.turns if turn.type == "model"]
     if record.sandbox is not None and handler.grades_in_sandbox:
         try:
-            with ToolClient(
-                record.sandbox["socket_path"], timeout=rt.settings.tool_timeout
-            ) as tools:
-                grade = handler.grade(record.task, texts, tools, trajectory.outcome, job_id=job_id)
+            shell = FreshShell(record.sandbox)
+            grade = handler.grade(record.task, texts, shell, trajectory.outcome, job_id=job_id)
         finally:
             rt.release_sandbox(job_id)
     else:

@@ -18,8 +18,9 @@ from broker.celery_app import node_queue
 from broker.jobstore import JobNotFound
 from core.schemas import JobStatus, StageError
 from routing.health import sweep, take_turn
+from sandbox.base import SandboxSecurityError
 from sandbox.reaper import reap
-from workers import stages
+from workers import boxreport, stages
 from workers.handlers.registry import get_handler, known_handlers
 from workers.lifecycle import connect_worker_hooks, tracked
 from workers.process_state import Runtime, get_runtime
@@ -51,6 +52,14 @@ def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, st
             StageError(
                 stage=stage, type="timeout", message=f"{stage} ran past its {limit:g}s limit"
             ),
+        )
+        proceed = False
+    except SandboxSecurityError as exc:
+        # Never a grade: the job fails, as a security error the trainer and operator can tell
+        # from any other failure.
+        log.error("job %s: security check failed in %s: %s", job_id, stage, exc)
+        rt.end_job(
+            job_id, JobStatus.failed, StageError(stage=stage, type="security", message=str(exc))
         )
         proceed = False
     except Exception as exc:
@@ -113,8 +122,28 @@ def reap_forever(interval: float) -> None:
             reaped = reap(rt.settings.sandbox_dir.resolve(), rt.job_live)
             if reaped:
                 log.info("reaped sandboxes %s", ", ".join(reaped))
+            publish_sandbox_limits(rt)
         except Exception:
             log.exception("sandbox reaper sweep failed; trying again in %.0fs", interval)
+
+
+def publish_sandbox_limits(rt: Runtime) -> None:
+    """Tell the gateway which box-wide limits this node's sandboxes get (`workers.boxreport`)."""
+    settings = rt.settings
+    report = boxreport.node_report(settings.sandbox_backend)
+    boxreport.publish(rt.store.r, settings.key_prefix, settings.node_name, report)
+
+
+@worker_ready.connect
+def report_sandbox_limits(**_: Any) -> None:
+    """Say once, when the worker starts, which box-wide limits its sandboxes get."""
+    try:
+        rt = get_runtime()
+        report = boxreport.node_report(rt.settings.sandbox_backend)
+        log.info("sandbox limits on this node: %s", boxreport.describe(report))
+        publish_sandbox_limits(rt)
+    except Exception:
+        log.exception("cannot tell which sandbox limits this node enforces")
 
 
 @worker_ready.connect

@@ -57,6 +57,10 @@ _ENV_OVERRIDES = {
 }
 _ENV_REMOVED = ("PROMPT_COMMAND", "BASH_ENV", "ENV", "HISTFILE")
 _SETUP = "PS1=''; PS2=''; PS0=''; unset PROMPT_COMMAND HISTFILE; set +o history"
+_SIGKILLED = 128 + signal.SIGKILL
+KILLED_NOTE = "[exit 137: the command was killed (SIGKILL); the box's memory limit?]"
+"""Added to the output of a command that ended by SIGKILL: most often the kernel's OOM kill at
+the box's memory limit, which the tool server, inside the box, cannot tell from a `kill -9`."""
 
 
 def _ansi_c_table() -> dict[int, str | None]:
@@ -211,6 +215,8 @@ class BashSession:
                     await self._respawn()
                     reset = True
             output, truncated = self._render(buffer)
+            if exit_code == _SIGKILLED:
+                output = f"{output.rstrip()}\n{KILLED_NOTE}".lstrip("\n")
             return BashResult(output, exit_code, timed_out, truncated, reset)
 
     async def reset(self) -> None:

@@ -13,6 +13,7 @@ from api.app import create_app
 from broker.processes import free_port
 from core.settings import Settings
 from tests.support.gateway import GOOD_TASK, field_locs, serve, snapshot
+from workers.boxreport import node_report, publish
 
 TOKEN = "s3cret-token"
 LIMIT = 64 * 1024
@@ -267,6 +268,17 @@ def test_health_stats_and_metrics(http: httpx.Client, with_backend: None) -> Non
     assert 'rollserve_backend_state{backend="b0",state="healthy"} 1.0' in text
     assert 'rollserve_backend_state{backend="b0",state="dead"} 0.0' in text
     assert 'rollserve_stage_duration_seconds_bucket{le="+Inf",stage="run"} 0.0' in text
+
+
+def test_stats_show_which_sandbox_limits_each_node_enforces(
+    http: httpx.Client, redis_client: redis.Redis
+) -> None:
+    assert http.get("/v1/stats").json()["sandbox_limits"] is None  # no worker reported yet
+    report = node_report("bwrap")
+    publish(redis_client, Settings().key_prefix, "node-a", report)
+    shown = http.get("/v1/stats").json()["sandbox_limits"]
+    assert shown == {"node-a": report}
+    assert set(shown["node-a"]) == {"memory", "pids", "cpu", "disk", "inodes"}
 
 
 def test_openapi_is_served(http: httpx.Client) -> None:

@@ -235,12 +235,14 @@ def test_instance_start_is_contained_offline_and_binds_socket_and_workspace(
     assert env[f"APPTAINERENV_{LABEL_JOB}"] == box.job_id
 
 
-def test_network_on_keeps_the_network_and_fakeroot_is_a_backend_option(
+def test_network_on_is_refused_and_fakeroot_is_a_backend_option(
     apptainer_sandbox: Callable[..., ApptainerSandbox], stand_in: StandIn
 ) -> None:
-    apptainer_sandbox(network=True, fakeroot=True).start(tool_server=False)
+    with pytest.raises(SandboxError, match="only bwrap gives a box a network"):
+        apptainer_sandbox(network=True)
+    apptainer_sandbox(fakeroot=True).start(tool_server=False)
     [argv] = stand_in.calls("instance", "start")
-    assert "--net" not in argv and "--network" not in argv
+    assert option_values(argv, "--network") == ["none"]
     assert "--fakeroot" in argv
 
 

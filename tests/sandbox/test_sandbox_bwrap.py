@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import sandbox
 from sandbox.backends import get_backend
 from sandbox.base import Bind, SandboxError, SandboxSpec
 from sandbox.bwrap import BubblewrapBackend, BubblewrapSandbox, Mount, filesystem_args
@@ -387,11 +388,15 @@ def test_a_mount_under_a_symlink_is_refused(tmp_path: Path) -> None:
         filesystem_args(str(root), [Mount("/x", "/bin/x/y")])
 
 
-def test_the_service_paths_cover_the_interpreter_and_the_packages() -> None:
+def test_the_service_paths_cover_the_interpreter_and_the_sandbox_package_alone() -> None:
     paths = service_paths()
     assert any(Path(sys.prefix).resolve() == p or p in Path(sys.prefix).resolve().parents
                for p in paths)  # fmt: skip
-    assert any(p in Path(__file__).resolve().parents for p in paths)
+    package = Path(sandbox.__file__).resolve().parent
+    assert any(p == package or p in package.parents for p in paths)
+    # Not the checkout holding it (results, state, logs, the other packages).
+    checkout = package.parent
+    assert not any(p == checkout or p in checkout.parents for p in paths)
 
 
 def test_a_system_pythons_prefix_is_not_bound_whole(monkeypatch: pytest.MonkeyPatch) -> None:

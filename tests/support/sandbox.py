@@ -135,10 +135,11 @@ def job_processes() -> Callable[[str], list[int]]:
 
 
 class Listener:
-    """A TCP server on the host's 127.0.0.1 that counts the connections it accepts."""
+    """A TCP server on the host's `host` (127.0.0.1; "0.0.0.0" for all its addresses) that
+    counts the connections it accepts."""
 
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.server = socket.create_server((host, 0))
         self.port: int = self.server.getsockname()[1]
         self.accepted = 0
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -151,7 +152,8 @@ class Listener:
             except OSError:
                 return
             self.accepted += 1
-            conn.sendall(b"hello from the host\n")
+            with contextlib.suppress(OSError):
+                conn.sendall(b"hello from the host\n")
             conn.close()
 
     def close(self) -> None:
@@ -171,8 +173,8 @@ def host_listener() -> Iterator[Listener]:
 
 @pytest.fixture
 def visible_host_dir() -> Iterator[Path]:
-    """A directory on the host outside /tmp, /root and /home, so a box on the host's root
-    sees it (read-only)."""
+    """A directory on the host outside /tmp, /root and /home, which a box on the host's root
+    sees (read-only) when its backend is given it as an extra path."""
     path = Path(tempfile.mkdtemp(prefix="rollserve-test-", dir="/var/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)

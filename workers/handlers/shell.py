@@ -1,18 +1,25 @@
 """`shell` tasks: an instruction carried out with tools in a sandbox, graded by a check command.
 
 A task: `{"data_source": "shell", "instruction": "...", "check": "bash that exits 0 when done",
-"files": {"/workspace/path": "content", ...}, "network": false, "timeout": 60}`. `files` are
-written into the sandbox before the episode (paths are normalised and must stay inside
-`/workspace`); `timeout` is the check's time limit in seconds.
+"files": {"/workspace/path": "content", ...}, "network": false, "egress": [], "timeout": 60}`.
+`files` are written into the sandbox before the episode (paths are normalised and must stay
+inside `/workspace`); `timeout` is the check's time limit in seconds. With `"network": true`
+the box has a network of its own that reaches only the hosts `egress` names (`"pypi.org"`,
+`"example.org:8443"`; without a port, 443 and 80), each of which the operator's
+`ROLLSERVE_SANDBOX_EGRESS_ALLOW` must allow; they hold from the box's start until the agent's
+turns are over (grading reaches no host outside).
 """
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from core.egress import EgressRuleError, HostRule, parse_task_rules, uncovered
 from sandbox.base import SandboxSpec
 from workers.handlers.base import Grade, Handler, StepResult, TaskValidationError, ToolSession
+from workers.handlers.boxlimits import box_limits
 from workers.tool_specs import ALL_TOOLS
 
 SYSTEM = (
@@ -78,6 +85,31 @@ def task_files(task: dict[str, Any]) -> dict[str, str]:
     return found
 
 
+def task_egress(task: dict[str, Any], cap: Sequence[HostRule]) -> list[str]:
+    """The hosts the task's box may connect to (its `egress`: `host` or `host:port` each), every
+    one within the operator's `cap`; a `TaskValidationError` naming `egress` otherwise."""
+    raw = task.get("egress")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise TaskValidationError("egress", "must be a list of host names (`host` or `host:port`)")
+    if raw and task.get("network") is not True:
+        raise TaskValidationError("egress", 'needs "network": true')
+    try:
+        rules = parse_task_rules(raw)
+    except EgressRuleError as exc:
+        raise TaskValidationError("egress", str(exc)) from None
+    outside = uncovered(rules, cap)
+    if outside:
+        names = ", ".join(str(rule) for rule in outside)
+        raise TaskValidationError(
+            "egress",
+            f"{names}: not among the hosts this service lets sandboxes reach "
+            "(ROLLSERVE_SANDBOX_EGRESS_ALLOW)",
+        )
+    return list(dict.fromkeys(str(rule) for rule in rules))
+
+
 def check_timeout(task: dict[str, Any]) -> float:
     """The check's time limit: the task's `timeout` in seconds, or the default."""
     value = task.get("timeout")
@@ -105,10 +137,17 @@ class ShellHandler(Handler):
         task_files(task)
         if not isinstance(task.get("network", False), bool):
             raise TaskValidationError("network", "must be true or false")
+        task_egress(task, self.settings.sandbox_egress_cap)
+        box_limits(task, self.settings)
         check_timeout(task)
 
     def sandbox_spec(self, task: dict[str, Any], job_id: str) -> SandboxSpec:
-        return SandboxSpec(job_id=job_id, network=bool(task.get("network", False)))
+        # Checked again here: the operator may have narrowed the cap since submission.
+        egress = task_egress(task, self.settings.sandbox_egress_cap)
+        limits = box_limits(task, self.settings)
+        return SandboxSpec(
+            job_id=job_id, network=bool(task.get("network", False)), egress=egress, limits=limits
+        )
 
     def prepare(self, task: dict[str, Any], tools: ToolSession) -> None:
         for path, content in task_files(task).items():
@@ -137,6 +176,8 @@ class ShellHandler(Handler):
     ) -> Grade:
         if tools is None:
             raise RuntimeError("a shell task is graded in its sandbox, and it has none")
+        # `tools` runs each command as a fresh bash over the halted box's files
+        # (workers.freshshell): the agent's shell, functions and processes take no part.
         result = tools.call("bash", command=task["check"], timeout=check_timeout(task))
         passed = result.get("exit_code") == 0
         return Grade(

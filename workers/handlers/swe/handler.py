@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import importlib
 from typing import Any, ClassVar
 
 from sandbox.base import WORKSPACE_INSIDE, SandboxSpec
 from workers.handlers.base import Grade, Handler, StepResult, ToolSession
+from workers.handlers.boxlimits import box_limits
 from workers.handlers.gradingbox import grading_place
 from workers.handlers.swe.grading import evaluate, text_tail
 from workers.handlers.swe.task import (
@@ -24,9 +26,12 @@ from workers.handlers.swe.task import (
 )
 from workers.tool_specs import ALL_TOOLS
 
+GIT_NO_PROGRAMS = "-c core.pager=cat -c diff.external= -c core.attributesFile=/dev/null"
 PATCH_CHUNK = 48_000
 """Bytes of the patch read per tool call (as base64, well under the tool output cap)."""
-OUTCOME_PATCH_FILE = "/tmp/rollserve-model.patch"
+OUTCOME_PATCH_FILE = "/workspace/.git/rollserve-outcome.patch"
+"""Where the patch is kept while it is read: in the repository's own git dir (outside the
+diff), since each command that collects the outcome runs in a fresh box with its own /tmp."""
 
 SYSTEM = """\
 You are an autonomous software engineer working in a Linux sandbox. A git repository is \
@@ -77,6 +82,7 @@ class SweHandler(Handler):
         parsed = read_task(task)
         if parsed.host_repo is not None:
             allowed_repo_path(parsed.host_repo, self.settings)
+        box_limits(task, self.settings)
 
     def warm_up(self) -> None:
         """Import swebench's harness (about two seconds) before the pool forks."""
@@ -101,7 +107,8 @@ class SweHandler(Handler):
         from the host repository, checked again against this worker's policy, with nothing
         past `base_commit`: `job_source`) bound read-only at /rollserve/source, the task's
         interpreter first on PATH."""
-        return box_spec(self._with_job_source(task, job_id), job_id)
+        spec = box_spec(self._with_job_source(task, job_id), job_id)
+        return dataclasses.replace(spec, limits=box_limits(task, self.settings, spec.limits))
 
     def prepare(self, task: dict[str, Any], tools: ToolSession) -> None:
         """Clone the repository into /workspace at `base_commit`; raises
@@ -124,15 +131,17 @@ class SweHandler(Handler):
         an empty patch when git could not make it."""
         parsed = read_task(task)
         budget = self._budget(parsed)
-        # In a subshell, so nothing the agent left in its shell (cwd, set -e, GIT_DIR)
-        # changes the diff or survives it.
+        # `tools` runs fresh processes in the halted box (workers.freshshell); the agent
+        # still wrote the repository's config, so git is told to run none of its programs
+        # (fsmonitor, hooks, external diff, textconv).
+        git = f"git -c core.fsmonitor=false -c core.hooksPath=/dev/null {GIT_NO_PROGRAMS}"
         made = tools.call(
             "bash",
             command=(
                 f"(cd {WORKSPACE_INSIDE} && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
-                f"git add -A && git diff --cached --binary {parsed.base_commit} "
-                f"> {OUTCOME_PATCH_FILE} && wc -c < {OUTCOME_PATCH_FILE} && "
-                f"git diff --cached --name-only {parsed.base_commit})"
+                f"{git} add -A && {git} diff --cached --binary --no-ext-diff --no-textconv "
+                f"{parsed.base_commit} > {OUTCOME_PATCH_FILE} && wc -c < {OUTCOME_PATCH_FILE} "
+                f"&& {git} diff --cached --name-only --no-ext-diff {parsed.base_commit})"
             ),
             timeout=budget,
         )

@@ -1,0 +1,5 @@
+"""The escape suite's pipeline tests use the end-to-end stack fixtures."""
+
+from tests.e2e.conftest import client, stack
+
+__all__ = ["client", "stack"]

@@ -1,0 +1,230 @@
+"""Hostile agents through the whole pipeline: a real stack (gateway, Redis, Celery workers,
+development server with scripted replies), real bubblewrap boxes, shell tasks graded by a
+check. Each attack is what a policy under RL could find; each test asserts that the reward is
+not forged, that what the attack aimed at is untouched, and that the host is left clean (no
+process of the job, no sandbox state of it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.client import RolloutClient
+from core.schemas import JobStatus, Trajectory
+from deploy.stack import Stack
+from tests.support.procs import processes_mentioning
+from tests.support.wait import wait_until
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
+
+# A file on the host, world-readable, that no box may read or change.
+HOST_SECRET = Path(f"/tmp/rollserve-escape-{uuid.uuid4().hex}")
+SECRET_TEXT = f"host-secret-{uuid.uuid4().hex}"
+
+
+def call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def bash(command: str) -> str:
+    return call("bash", command=command)
+
+
+FINISH = call("finish")
+
+# Each attack: a marker the scripted server matches in the instruction, and the agent's turns.
+ATTACKS: dict[str, list[str]] = {
+    # Grading in the agent's own shell: functions, aliases and startup files that make any
+    # check pass, plus a changed cwd and PATH.
+    "SHADOW-CHECK": [
+        bash(
+            "test() { return 0; }; export -f test; alias test=true; shopt -s expand_aliases; "
+            "printf 'test() { return 0; }\\n' > /workspace/.evil.sh; "
+            "export BASH_ENV=/workspace/.evil.sh ENV=/workspace/.evil.sh; "
+            "export PROMPT_COMMAND='test() { return 0; }'; "
+            "cp /workspace/.evil.sh /workspace/.bashrc; "
+            "mkdir -p /workspace/bin && ln -sf /bin/true /workspace/bin/test; "
+            "export PATH=/workspace/bin:$PATH; cd /tmp; echo armed"
+        ),
+        FINISH,
+    ],
+    # A process left behind that writes the answer once the agent's session is gone.
+    "WATCHER": [
+        bash(
+            "server=$PPID; "  # the tool server runs the agent's shell
+            'setsid nohup sh -c "while [ -d /proc/$server ]; do sleep 0.05; done; '
+            'touch /workspace/done" >/dev/null 2>&1 & '
+            "setsid nohup sh -c 'sleep 4; touch /workspace/done' >/dev/null 2>&1 & "
+            "echo watching $(cat /proc/$server/cmdline | tr '\\0' ' ')"
+        ),
+        FINISH,
+    ],
+    # A process left behind that waits for the check to start, then makes it pass.
+    "SPY": [
+        bash(
+            'setsid nohup sh -c \'until pgrep -f "sleep [1].5" >/dev/null; do sleep 0.02; done; '
+            "touch /workspace/done' >/dev/null 2>&1 & echo spying"
+        ),
+        FINISH,
+    ],
+    # The agent kills its own tool server before finishing.
+    "KILL-SERVER": [bash("touch /workspace/partial; kill -9 -1; kill -9 1"), FINISH],
+    # Writes outside the workspace and reads of host secrets.
+    "OUTSIDE": [
+        bash(
+            f"echo pwned >> {HOST_SECRET}; touch /etc/rollserve-pwned; "
+            f"cat {HOST_SECRET} /etc/shadow /root/.bash_history 2>&1; "
+            "ls /root /home 2>&1; echo done-trying"
+        ),
+        FINISH,
+    ],
+    # A fork bomb and a flood of output.
+    "BOMB": [bash(":(){ :|:& };: ; sleep 1; echo survived"), FINISH],
+    "FLOOD": [bash("head -c 50000000 /dev/zero | tr '\\0' x"), FINISH],
+}
+
+SCRIPT = [{"match": marker, "samples": [turns]} for marker, turns in ATTACKS.items()]
+
+
+def shell_task(marker: str, check: str, **extra: object) -> dict[str, object]:
+    return {
+        "data_source": "shell",
+        "instance_id": marker.lower(),
+        "instruction": f"{marker}: do the task.",
+        "check": check,
+        **extra,
+    }
+
+
+def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
+    return {
+        "script": SCRIPT, "tool_timeout": 5.0, "reap_interval": 1.0,
+        "sandbox_dir": data / "sandboxes", "sandbox_backend": "bwrap",
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_secret() -> Any:
+    HOST_SECRET.write_text(SECRET_TEXT)
+    HOST_SECRET.chmod(0o666)
+    yield HOST_SECRET
+    HOST_SECRET.unlink(missing_ok=True)
+
+
+def run(client: RolloutClient, task: dict[str, object], **agent: int) -> Trajectory:
+    traj = client.submit_rollout(
+        task, sampling={"seed": 0, "max_tokens": 256}, agent=agent or None, wait=True, timeout=120
+    )
+    assert isinstance(traj, Trajectory), traj
+    return traj
+
+
+def host_is_clean(stack: Stack, job_id: str) -> bool:
+    """No process mentions the job and no sandbox state (or keeper log) names it."""
+    root = stack.settings.sandbox_dir
+    return (
+        processes_mentioning(job_id) == []
+        and not any(job_id in m.read_text(errors="ignore") for m in root.glob("**/meta.json"))
+        and not any(job_id in p.name for p in root.iterdir())
+    )
+
+
+def assert_clean(stack: Stack, traj: Trajectory) -> None:
+    wait_until(lambda: host_is_clean(stack, traj.job_id), 30, "the job's sandbox to be gone")
+
+
+def observations(traj: Trajectory) -> str:
+    return "\n".join(t.text for t in traj.turns if t.type == "env")
+
+
+def test_the_check_runs_in_a_fresh_shell_not_the_agents(
+    client: RolloutClient, stack: Stack
+) -> None:
+    traj = run(client, shell_task("SHADOW-CHECK", "test -f /workspace/done"))
+    assert "armed" in observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 0.0, traj.eval
+    assert traj.eval["exit_code"] == 1
+    assert_clean(stack, traj)
+
+
+def test_the_check_sees_a_clean_environment_and_the_workspace_as_cwd(
+    client: RolloutClient, stack: Stack
+) -> None:
+    check = (
+        'test "$(pwd)" = /workspace && test -z "$BASH_ENV$ENV$PROMPT_COMMAND" && '
+        'test "$(type -t test)" = builtin && ! alias test 2>/dev/null && '
+        'case ":$PATH:" in *:/workspace/*) exit 1;; esac'
+    )
+    traj = run(client, shell_task("SHADOW-CHECK", check))
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 1.0, traj.eval
+
+
+def test_nothing_the_agent_left_running_survives_its_turns(
+    client: RolloutClient, stack: Stack
+) -> None:
+    traj = run(client, shell_task("WATCHER", "! test -e /workspace/done"))
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 1.0, traj.eval
+    assert_clean(stack, traj)
+
+
+def test_nothing_the_agent_left_running_sees_or_races_the_check(
+    client: RolloutClient, stack: Stack
+) -> None:
+    traj = run(client, shell_task("SPY", "sleep 1.5; test -f /workspace/done"))
+    assert "spying" in observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 0.0, traj.eval
+    assert_clean(stack, traj)
+
+
+def test_an_agent_that_kills_its_tool_server_gets_no_reward(
+    client: RolloutClient, stack: Stack
+) -> None:
+    traj = run(client, shell_task("KILL-SERVER", "test -f /workspace/done"))
+    assert traj.reward != 1.0, traj.eval
+    if traj.status is not JobStatus.completed:
+        assert traj.error is not None and traj.error.type != "security", traj.error
+    assert_clean(stack, traj)
+
+
+def test_writes_outside_the_workspace_and_host_secrets_are_out_of_reach(
+    client: RolloutClient, stack: Stack
+) -> None:
+    traj = run(client, shell_task("OUTSIDE", "true"))
+    seen = observations(traj)
+    assert "done-trying" in seen
+    assert SECRET_TEXT not in seen
+    assert HOST_SECRET.read_text() == SECRET_TEXT
+    assert not Path("/etc/rollserve-pwned").exists()
+    assert not re.search(r"root:[^:\n]*:\d+:", seen)  # /etc/shadow's first line
+    assert_clean(stack, traj)
+
+
+def test_a_fork_bomb_is_contained(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, shell_task("BOMB", "true"))
+    assert traj.status is JobStatus.completed, traj.error
+    # What the shell says depends on which limit the bomb meets first (bash's fork retries,
+    # the tool timeout); what matters is that the job ends and takes every process along.
+    assert traj.stop_reason == "finish", [(t.type, t.text[:500]) for t in traj.turns]
+    assert_clean(stack, traj)  # every process of the bomb is gone with the box
+
+
+def test_a_flood_of_output_is_cut(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, shell_task("FLOOD", "true"))
+    assert traj.status is JobStatus.completed, traj.error
+    # Cut at the tool server, then (here) over the job's token budget: either way the
+    # trajectory stays small.
+    assert len(traj.model_dump_json()) < 2_000_000
+    assert traj.stop_reason == "token_budget" or 0 < len(observations(traj)) < 1_000_000
+    assert_clean(stack, traj)
