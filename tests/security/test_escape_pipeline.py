@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from api.client import RolloutClient
+from api.client import RolloutClient, RolloutServiceError
 from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from tests.support.procs import processes_mentioning
@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(
 # A file on the host, world-readable, that no box may read or change.
 HOST_SECRET = Path(f"/tmp/rollserve-escape-{uuid.uuid4().hex}")
 SECRET_TEXT = f"host-secret-{uuid.uuid4().hex}"
+# The project's own checkout (results, logs, settings): not in a box's root at all.
+PROJECT_README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def call(name: str, **arguments: object) -> str:
@@ -75,13 +77,45 @@ ATTACKS: dict[str, list[str]] = {
         ),
         FINISH,
     ],
+    # Box-wide limits: two processes that each fit the memory limit but not together, a
+    # disk filled past its size, a workspace filled past its inode count, a huge workspace.
+    "HOG": [
+        bash(
+            "for i in 1 2; do python3 -c \"a = b'x' * (160 << 20); import time; "
+            "time.sleep(2); print('survived', len(a) >> 20)\" & done; wait; echo hog-over"
+        ),
+        FINISH,
+    ],
+    "FILL": [
+        bash(
+            "head -c 40M /dev/zero > /workspace/a; head -c 40M /dev/zero > /tmp/b; "
+            "echo fill-rc=$?; head -c 40M /dev/zero > /dev/shm/c; echo shm-rc=$?"
+        ),
+        FINISH,
+    ],
+    "INODES": [
+        bash(
+            "mkdir /workspace/many && cd /workspace/many && for i in $(seq 3000); do "
+            ": > f$i || { echo stopped-at $i; break; }; done 2>&1 | tail -n 2"
+        ),
+        FINISH,
+    ],
+    "HUGE-WORKSPACE": [
+        bash(
+            "mkdir /workspace/tree && cd /workspace/tree && "
+            "python3 -c \"[open(str(i), 'w').close() for i in range(100000)]\" && "
+            "ls | wc -l"
+        ),
+        FINISH,
+    ],
     # The agent kills its own tool server before finishing.
     "KILL-SERVER": [bash("touch /workspace/partial; kill -9 -1; kill -9 1"), FINISH],
     # Writes outside the workspace and reads of host secrets.
     "OUTSIDE": [
         bash(
             f"echo pwned >> {HOST_SECRET}; touch /etc/rollserve-pwned; "
-            f"cat {HOST_SECRET} /etc/shadow /root/.bash_history 2>&1; "
+            f"cat {HOST_SECRET} /etc/shadow /root/.bash_history {PROJECT_README} 2>&1; "
+            "ls /srv /opt /var/log /home 2>&1 | head -n 20; "
             "ls /root /home 2>&1; echo done-trying"
         ),
         FINISH,
@@ -205,6 +239,9 @@ def test_writes_outside_the_workspace_and_host_secrets_are_out_of_reach(
     seen = observations(traj)
     assert "done-trying" in seen
     assert SECRET_TEXT not in seen
+    readme_line = next(x for x in PROJECT_README.read_text().splitlines() if len(x) > 40)
+    assert readme_line not in seen
+    assert f"{PROJECT_README}: No such file or directory" in seen
     assert HOST_SECRET.read_text() == SECRET_TEXT
     assert not Path("/etc/rollserve-pwned").exists()
     assert not re.search(r"root:[^:\n]*:\d+:", seen)  # /etc/shadow's first line
@@ -228,3 +265,50 @@ def test_a_flood_of_output_is_cut(client: RolloutClient, stack: Stack) -> None:
     assert len(traj.model_dump_json()) < 2_000_000
     assert traj.stop_reason == "token_budget" or 0 < len(observations(traj)) < 1_000_000
     assert_clean(stack, traj)
+
+
+def limited(marker: str, check: str = "true", **limits: int) -> dict[str, object]:
+    return shell_task(marker, check, sandbox={"limits": limits})
+
+
+def test_memory_is_limited_for_the_box_as_a_whole(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, limited("HOG", memory_mb=256, disk_mb=64))
+    seen = observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert "hog-over" in seen
+    # Each process fits the box; both together do not: at most one lives to print.
+    assert re.findall(r"^survived 160$", seen, re.M) in ([], ["survived 160"]), seen
+    assert "Killed" in seen, seen
+    assert_clean(stack, traj)
+
+
+def test_disk_is_limited_across_workspace_tmp_and_shm(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, limited("FILL", disk_mb=64))
+    seen = observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert "No space left on device" in seen, seen
+    assert "fill-rc=1" in seen and "shm-rc=1" in seen, seen
+    assert_clean(stack, traj)
+
+
+def test_files_are_limited_by_count(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, limited("INODES", inodes=1000))
+    seen = observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert "stopped-at" in seen, seen
+    assert "No space left on device" in seen, seen
+    assert_clean(stack, traj)
+
+
+def test_a_huge_workspace_goes_with_its_box(client: RolloutClient, stack: Stack) -> None:
+    traj = run(client, shell_task("HUGE-WORKSPACE", "test -d /workspace/tree"))
+    assert "100000" in observations(traj)
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 1.0, traj.eval
+    assert_clean(stack, traj)
+
+
+def test_over_the_limits_is_refused_at_submission(client: RolloutClient) -> None:
+    with pytest.raises(RolloutServiceError, match=r"sandbox\.limits\.memory_mb") as refused:
+        client.submit_rollout(limited("HOG", memory_mb=10**9))
+    assert refused.value.status_code == 422
