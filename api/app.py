@@ -19,6 +19,7 @@ from api.errors import error_responses, http_error, json_safe, validation_error
 from api.routes import backends, batches, rollouts, system
 from api.service import RequestError, Services
 from broker.celery_app import create_celery
+from broker.connections import redis_client
 from broker.jobstore import JobNotFound, JobStore
 from core.settings import Settings, get_settings
 from routing.pool import BackendPool
@@ -82,6 +83,8 @@ STORE_FULL = (
     "(ROLLSERVE_REDIS_MAXMEMORY for the embedded Redis)"
 )
 REDIS_UNREACHABLE = "Redis (the job store and broker) is unreachable; retry later"
+GATEWAY_REDIS_RETRY_SECONDS = 2.0
+"""Longest a gateway request retries a lost Redis before it answers 503."""
 
 
 def _out_of_memory(exc: BaseException | None) -> bool:
@@ -128,7 +131,10 @@ def build_services(settings: Settings) -> Services:
         raise RuntimeError(
             "the gateway needs ROLLSERVE_REDIS_URL (or start it with `rollserve up`)"
         )
-    client = redis.Redis.from_url(settings.redis_url)
+    # A request waits briefly for a Redis that is restarting, then gets its 503.
+    client = redis_client(
+        settings.redis_url, min(settings.redis_retry_seconds, GATEWAY_REDIS_RETRY_SECONDS)
+    )
     return Services(
         settings=settings,
         store=JobStore(client, settings.key_prefix, settings.job_ttl),

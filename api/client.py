@@ -8,13 +8,16 @@
             ...  # trajectory.response_ids, .loss_mask, .logprobs, .reward
 
 Every answer is parsed into the models of `core.schemas`. Every failure, an HTTP error status
-or an unreachable gateway, is raised as `RolloutServiceError`.
+or an unreachable gateway, is raised as `RolloutServiceError`; a results stream that breaks is
+first resumed after its last line, for up to `resume_for` seconds (see `api.resume`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -23,6 +26,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from api.resume import RESUME_SECONDS, ResultLine, Resume
 from core.schemas import (
     AgentParams,
     Backend,
@@ -157,7 +161,7 @@ def _parse_backends(response: httpx.Response) -> list[Backend]:
     return [Backend.model_validate(item) for item in data]
 
 
-def _result_line(line: str, status_code: int) -> Trajectory | None:
+def _result_line(line: str, status_code: int) -> ResultLine | None:
     """One NDJSON line of a results stream; None for a keep-alive blank line."""
     line = line.strip()
     if not line:
@@ -169,7 +173,23 @@ def _result_line(line: str, status_code: int) -> Trajectory | None:
     if isinstance(data, Mapping) and "detail" in data and "job_id" not in data:
         # The server reports a failure that happened after the stream began.
         raise RolloutServiceError(status_code, data["detail"])
-    return Trajectory.model_validate(data)
+    cursor = data.get("cursor") if isinstance(data, Mapping) else None
+    return ResultLine(cursor if isinstance(cursor, str) else None, Trajectory.model_validate(data))
+
+
+def _stream_failure(state: Resume, error: RolloutServiceError) -> RolloutServiceError:
+    """What a results stream that cannot go on raises: `error`, or once the time to resume
+    ran out, an error that says so and where to go on from."""
+    if not state.gave_up:
+        return error
+    where = f"after={state.cursor!r}" if state.cursor else "from the start"
+    message = (
+        f"the results stream of batch {state.batch_id} broke off and could not be resumed "
+        f"within {state.resume_for:g} s ({error}); call again {where} to go on"
+    )
+    failure = RolloutServiceError(error.status_code, message, message)
+    failure.__cause__ = error
+    return failure
 
 
 def _with_params(body: dict[str, Any], sampling: SamplingLike, agent: AgentLike) -> dict[str, Any]:
@@ -274,10 +294,6 @@ class _Base:
         read = None if timeout is None else float(timeout) + self.timeout
         return httpx.Timeout(self.timeout, read=read)
 
-    def _stream_timeout(self) -> httpx.Timeout:
-        # A batch may run for hours; keep-alive lines arrive but no read deadline applies.
-        return httpx.Timeout(self.timeout, read=None)
-
 
 class RolloutClient(_Base):
     """Blocking client of the gateway. Use as a context manager, or call ``close()``.
@@ -376,29 +392,56 @@ class RolloutClient(_Base):
         """``GET /v1/batches/{batch_id}``."""
         return _parse(BatchProgress, self._request("GET", f"/v1/batches/{_seg(batch_id)}"))
 
-    def iter_batch_results(self, batch_id: str) -> Iterator[Trajectory]:
-        """Finished trajectories of the batch as the gateway streams them (NDJSON).
+    def iter_batch_results(
+        self, batch_id: str, after: str | None = None, resume_for: float = RESUME_SECONDS
+    ) -> Iterator[Trajectory]:
+        """Finished trajectories of the batch as the gateway streams them (NDJSON), each once.
 
         The iterator ends when the gateway closes the stream (the batch is done). There is no
-        read deadline while streaming; blank keep-alive lines are skipped.
-        """
+        read deadline while streaming; blank keep-alive lines are skipped. When the stream
+        breaks (the connection drops, the gateway restarts, a 5xx answer), it is reopened
+        right after the last line received, with backoff, for up to ``resume_for`` seconds
+        per outage; then RolloutServiceError. ``after`` starts after that line's cursor (see
+        `iter_batch_lines`)."""
+        for item in self.iter_batch_lines(batch_id, after, resume_for):
+            yield item.trajectory
+
+    def iter_batch_lines(
+        self, batch_id: str, after: str | None = None, resume_for: float = RESUME_SECONDS
+    ) -> Iterator[ResultLine]:
+        """`iter_batch_results` with each line's cursor, for a trainer that keeps its place
+        across its own restarts: pass the last cursor it handled as ``after``."""
         path = f"/v1/batches/{_seg(batch_id)}/results"
-        try:
-            with self._http.stream(
-                "GET",
-                path,
-                headers={"Accept": "application/x-ndjson"},
-                timeout=self._stream_timeout(),
-            ) as response:
-                if response.is_error:
-                    response.read()
-                    raise _error_from_response(response)
-                for line in response.iter_lines():
-                    trajectory = _result_line(line, response.status_code)
-                    if trajectory is not None:
-                        yield trajectory
-        except httpx.TransportError as exc:
-            raise _transport_error(self.url, exc) from exc
+        state = Resume(batch_id, after, resume_for)
+        while True:
+            try:
+                with self._http.stream(
+                    "GET",
+                    path,
+                    params=state.params(),
+                    headers={"Accept": "application/x-ndjson"},
+                    timeout=state.timeout(self.timeout),
+                ) as response:
+                    if response.is_error:
+                        response.read()
+                        raise _error_from_response(response)
+                    state.opened = True
+                    for line in response.iter_lines():
+                        state.alive()
+                        item = _result_line(line, response.status_code)
+                        if item is not None:
+                            state.take(item)
+                            yield item
+                    return
+            except httpx.TransportError as exc:
+                error = _transport_error(self.url, exc)
+                error.__cause__ = exc
+            except RolloutServiceError as exc:
+                error = exc
+            pause = state.retry_after(error.status_code)
+            if pause is None:
+                raise _stream_failure(state, error)
+            time.sleep(pause)
 
     def cancel_batch(self, batch_id: str) -> BatchProgress:
         """``DELETE /v1/batches/{batch_id}``: cancel its unfinished jobs; returns the progress."""
@@ -539,25 +582,48 @@ class AsyncRolloutClient(_Base):
         """``GET /v1/batches/{batch_id}``."""
         return _parse(BatchProgress, await self._request("GET", f"/v1/batches/{_seg(batch_id)}"))
 
-    async def iter_batch_results(self, batch_id: str) -> AsyncIterator[Trajectory]:
-        """As `RolloutClient.iter_batch_results`, asynchronously."""
+    async def iter_batch_results(
+        self, batch_id: str, after: str | None = None, resume_for: float = RESUME_SECONDS
+    ) -> AsyncIterator[Trajectory]:
+        """As `RolloutClient.iter_batch_results`, asynchronously (resuming the same way)."""
+        async for item in self.iter_batch_lines(batch_id, after, resume_for):
+            yield item.trajectory
+
+    async def iter_batch_lines(
+        self, batch_id: str, after: str | None = None, resume_for: float = RESUME_SECONDS
+    ) -> AsyncIterator[ResultLine]:
+        """As `RolloutClient.iter_batch_lines`, asynchronously."""
         path = f"/v1/batches/{_seg(batch_id)}/results"
-        try:
-            async with self._http.stream(
-                "GET",
-                path,
-                headers={"Accept": "application/x-ndjson"},
-                timeout=self._stream_timeout(),
-            ) as response:
-                if response.is_error:
-                    await response.aread()
-                    raise _error_from_response(response)
-                async for line in response.aiter_lines():
-                    trajectory = _result_line(line, response.status_code)
-                    if trajectory is not None:
-                        yield trajectory
-        except httpx.TransportError as exc:
-            raise _transport_error(self.url, exc) from exc
+        state = Resume(batch_id, after, resume_for)
+        while True:
+            try:
+                async with self._http.stream(
+                    "GET",
+                    path,
+                    params=state.params(),
+                    headers={"Accept": "application/x-ndjson"},
+                    timeout=state.timeout(self.timeout),
+                ) as response:
+                    if response.is_error:
+                        await response.aread()
+                        raise _error_from_response(response)
+                    state.opened = True
+                    async for line in response.aiter_lines():
+                        state.alive()
+                        item = _result_line(line, response.status_code)
+                        if item is not None:
+                            state.take(item)
+                            yield item
+                    return
+            except httpx.TransportError as exc:
+                error = _transport_error(self.url, exc)
+                error.__cause__ = exc
+            except RolloutServiceError as exc:
+                error = exc
+            pause = state.retry_after(error.status_code)
+            if pause is None:
+                raise _stream_failure(state, error)
+            await asyncio.sleep(pause)
 
     async def cancel_batch(self, batch_id: str) -> BatchProgress:
         """``DELETE /v1/batches/{batch_id}``."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import Celery
 
+from api.cursors import CursorError, make_cursor, parse_cursor
 from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
 from core.schemas import (
     MAX_SEED,
@@ -121,10 +122,22 @@ def resolve_sampling(sampling: SamplingParams, settings: Settings) -> dict[str, 
 
 
 def resolve_agent(agent: AgentParams, settings: Settings) -> dict[str, Any]:
-    return {
+    """The agent parameters with the service defaults filled in; a time budget above
+    `ROLLSERVE_MAX_SECONDS_LIMIT` is refused (422)."""
+    if agent.max_seconds is not None and agent.max_seconds > settings.max_seconds_limit:
+        raise RequestError(
+            422,
+            f"agent.max_seconds {agent.max_seconds:g} is above this service's limit of "
+            f"{settings.max_seconds_limit:g} seconds (ROLLSERVE_MAX_SECONDS_LIMIT)",
+            ["body", "agent", "max_seconds"],
+        )
+    resolved: dict[str, Any] = {
         "max_turns": agent.max_turns or settings.max_turns,
         "max_total_tokens": agent.max_total_tokens or settings.max_total_tokens,
     }
+    if agent.max_seconds is not None:
+        resolved["max_seconds"] = agent.max_seconds
+    return resolved
 
 
 def _require_backend(svc: Services) -> None:
@@ -371,17 +384,42 @@ def wait_for_job(svc: Services, job_id: str, timeout: float) -> Trajectory:
     return svc.store.trajectory(job_id)
 
 
-def stream_results(svc: Services, batch_id: str) -> Iterator[bytes]:
+def resume_point(svc: Services, batch_id: str, after: str | None) -> str | None:
+    """The stream entry id that `?after=` points at (None without it); a 422 naming `after`
+    for a cursor that is malformed, of another batch, or names no line of this batch."""
+    if after is None:
+        return None
+    try:
+        entry_id = parse_cursor(batch_id, after)
+    except CursorError as exc:
+        raise RequestError(422, str(exc), ["query", "after"]) from None
+    if not svc.store.has_result_entry(batch_id, entry_id):
+        raise RequestError(
+            422, f"the cursor {after!r} names no line of this batch's results", ["query", "after"]
+        )
+    return entry_id
+
+
+def result_line(batch_id: str, entry_id: str, trajectory: Trajectory) -> bytes:
+    """One NDJSON line of the results stream: the trajectory's fields and its `cursor`."""
+    body = trajectory.model_dump_json().encode()
+    cursor = json.dumps(make_cursor(batch_id, entry_id)).encode()
+    return body[:-1] + b',"cursor":' + cursor + b"}\n"
+
+
+def stream_results(svc: Services, batch_id: str, after: str | None = None) -> Iterator[bytes]:
     """NDJSON lines: every finished trajectory of the batch as it finishes (for a dynamic batch:
-    the jobs of each accepted group as it is accepted, ending once the batch is done); a blank
+    the jobs of each accepted group as it is accepted, ending once the batch is done), each
+    with its `cursor`, from the line after stream entry `after` (see `resume_point`); a blank
     keep-alive line after each second without news."""
     dynamic = svc.store.is_dynamic(batch_id)
     idle = 0
-    for job_id in svc.store.iter_finished(batch_id):
-        if job_id is None:
+    for item in svc.store.iter_results(batch_id, after):
+        if item is None:
             idle += 1
             if dynamic and idle % 10 == 0:
                 _recover(svc, batch_id)
             yield b"\n"
             continue
-        yield svc.store.trajectory(job_id).model_dump_json().encode() + b"\n"
+        entry_id, job_id = item
+        yield result_line(batch_id, entry_id, svc.store.trajectory(job_id))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
+import redis
 from celery import Celery, Signature, chain
 from kombu import Producer, Queue
 
@@ -55,6 +59,15 @@ def create_celery(settings: Settings, broker_url: str) -> Celery:
             "visibility_timeout": settings.effective_visibility_timeout
         },
         broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        # A worker that cannot reach the broker for good exits (non-zero) for its supervisor
+        # (systemd, `rollserve up`) to restart, rather than retrying for the better part of
+        # an hour.
+        broker_connection_max_retries=settings.broker_connection_max_retries,
+        # A stage running when the broker connection drops goes on (its job-store commands
+        # wait for Redis) and is acknowledged over the new connection; one whose ack is lost
+        # is redelivered after the visibility timeout and finds its stage already done.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         result_expires=settings.result_expires,
         task_serializer="json",
         result_serializer="json",
@@ -119,3 +132,66 @@ def send_job(app: Celery, job_id: str, task_ids: dict[str, str], producer: Produ
         # The worker pops the next link from the end of the list.
         chain=[dict(link) for link in reversed(rest)],
     )
+
+
+def send_stage(
+    app: Celery,
+    job_id: str,
+    task_ids: dict[str, str],
+    stage: str,
+    attempt: int,
+    producer: Producer,
+    queues: dict[str, str] | None = None,
+) -> None:
+    """Publish the job's `stage` task again, with the stages after it as the rest of its
+    chain, each carrying `attempt` (a worker drops a message of an earlier attempt).
+
+    `queues` names the queue of a stage that does not go to its shared queue (a stage
+    pinned to the node of the job's sandbox).
+    """
+    queues = queues or {}
+    first, *rest = [
+        app.signature(TASK_NAMES[name], args=(job_id, attempt), immutable=True).set(
+            task_id=task_ids[name], queue=queues.get(name, name)
+        )
+        for name in QUEUES[QUEUES.index(stage) :]
+    ]
+    app.send_task(
+        first.task,
+        args=first.args,
+        task_id=task_ids[stage],
+        queue=queues.get(stage, stage),
+        producer=producer,
+        chain=[dict(link) for link in reversed(rest)],
+    )
+
+
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
+"""Where kombu's Redis transport keeps the messages workers fetched and have not acknowledged
+(by delivery tag) and when each was fetched."""
+
+
+def unacked_stages(client: redis.Redis, fetched_before: float) -> list[tuple[str, str, int]]:
+    """The stage messages workers fetched from Redis before `fetched_before` (Unix time) and
+    have not acknowledged, as (job id, stage, attempt): running, waiting in a worker, or held
+    by a worker that died (Redis gives those out again only after the visibility timeout)."""
+    tags = client.zrangebyscore(UNACKED_INDEX, "-inf", fetched_before)
+    if not tags:
+        return []
+    found: list[tuple[str, str, int]] = []
+    for raw in client.hmget(UNACKED, tags):
+        if raw is None:
+            continue  # acknowledged meanwhile
+        try:
+            message = json.loads(raw)[0]
+            task = message["headers"]["task"]
+            args = json.loads(base64.b64decode(message["body"]))[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        stage = task.rpartition(".")[2]
+        if task != TASK_NAMES.get(stage) or not args or not isinstance(args[0], str):
+            continue
+        attempt = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        found.append((args[0], stage, attempt))
+    return found

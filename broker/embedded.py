@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import subprocess
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -30,6 +31,8 @@ PASSWORD_FILE = "password"
 CONFIG_FILE = "valkey.conf"
 """Name of the configuration file (it holds the password) inside the data directory."""
 DEFAULT_MAXMEMORY = "25%"
+APPEND_DIR = "appendonlydir"
+"""Directory (inside the data directory) of the server's multi-part append-only file."""
 
 _PASSWORD_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
 
@@ -88,11 +91,13 @@ def load_or_create_password(data_dir: Path) -> str:
 
 
 class EmbeddedRedis:
-    """A private valkey-server on a free loopback port, keeping nothing on disk but its
-    password and configuration.
+    """A private valkey-server on a free loopback port that persists to its data directory.
 
-    The server gets SIGTERM from the kernel if its owner dies, even by SIGKILL, so none is
-    ever orphaned; `stop()` ends it deliberately.
+    It keeps an append-only file (`appendfsync everysec`): a server killed outright loses at
+    most about the last second of acknowledged writes, and the next `start()` of the same
+    object reloads the rest on the same port with the same password, so clients that hold
+    the URL reconnect by themselves. The server gets SIGTERM from the kernel if its owner
+    dies, even by SIGKILL, so none is ever orphaned; `stop()` ends it deliberately.
     """
 
     def __init__(
@@ -129,7 +134,8 @@ class EmbeddedRedis:
         self.password = load_or_create_password(self.data_dir)
         config = self.data_dir / CONFIG_FILE
         write_private_file(config, f"requirepass {self.password}\n", replace=True)
-        self.port = free_port(self.host)
+        # A restart keeps the port: clients (with the password they hold) reconnect to it.
+        self.port = self.port or free_port(self.host)
         argv = [
             str(get_binary_path()),
             str(config.resolve()),
@@ -139,26 +145,42 @@ class EmbeddedRedis:
             "--maxmemory", str(self.maxmemory),
             "--maxmemory-policy", "noeviction",
             "--save", "",
-            "--appendonly", "no",
+            # Every acknowledged write reaches the append-only file within a second, so a
+            # killed server comes back with its jobs, batches, queues and backends.
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--appenddirname", APPEND_DIR,
+            "--aof-use-rdb-preamble", "yes",
             "--dir", str(self.data_dir.resolve()),
             "--daemonize", "no",
             "--loglevel", "warning",
         ]  # fmt: skip
         self._proc = spawn(argv, log_path=str(self.data_dir / "valkey.log"))
+        deadline = time.monotonic() + timeout
         wait_for_port(self.host, self.port, timeout, self._proc)
         client = redis.Redis.from_url(self.url)
         try:
-            client.ping()
+            while True:  # it answers LOADING while it replays its append-only file
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.BusyLoadingError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
         finally:
             client.close()
         return self.url
 
+    def poll(self) -> int | None:
+        """The server's exit status once it has ended (negative: the signal), else None."""
+        return None if self._proc is None else self._proc.poll()
+
     def stop(self) -> None:
-        """Stop the server; safe to call twice."""
+        """Stop the server; safe to call twice. The port is kept for the next `start()`."""
         if self._proc is not None:
             stop_group(self._proc, timeout=5)
             self._proc = None
-        self.port = None
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()

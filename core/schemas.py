@@ -143,6 +143,11 @@ class AgentParams(BaseModel):
     """Model calls per job; the service default when absent."""
     max_total_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     """Response ids per job (generated and observation); the service default when absent."""
+    max_seconds: float | None = Field(default=None, gt=0)
+    """Seconds the job may spend in its stages, all together (time in queues does not
+    count): RUN stops the episode when it is spent (`stop_reason` `time_budget`), and a job
+    whose budget is spent before INIT or RUN starts ends `timed_out`. None: no budget
+    beyond each stage's own limits. At most the service's `ROLLSERVE_MAX_SECONDS_LIMIT`."""
 
 
 class RolloutRequest(BaseModel):
@@ -425,11 +430,13 @@ class Trajectory(BaseModel):
     policy_version: int | None = None
     backend_id: str | None = None
     stop_reason: str | None = None
-    """`answer`, `finish`, `max_turns`, `token_budget`, `context_length` or `invalid_token`
-    (the model generated an id outside the backend's vocabulary, which no later prompt may
-    carry; the trajectory keeps it as returned and is graded as usual)."""
+    """`answer`, `finish`, `max_turns`, `token_budget`, `time_budget` (`agent.max_seconds`
+    was spent), `context_length` or `invalid_token` (the model generated an id outside the
+    backend's vocabulary, which no later prompt may carry; the trajectory keeps it as
+    returned and is graded as usual)."""
     truncated: bool = False
-    """True when the episode was cut by the token budget or the context length."""
+    """True when the episode was cut by the token budget, the time budget or the context
+    length."""
     tool_calls: int = 0
     """Well-formed tool calls the model made."""
     malformed_tool_calls: int = 0

@@ -103,6 +103,14 @@ class Settings(BaseSettings):
     """Seconds until Redis redelivers an unacked task (default: longest hard limit + 600)."""
     redelivery_check_interval: float = 10.0
     """Seconds between a worker's sweeps for tasks past the visibility timeout to redeliver."""
+    redis_retry_seconds: float = Field(default=30.0, ge=0)
+    """Seconds a worker's job-store commands keep retrying a lost Redis (reconnecting with
+    backoff) before they fail: long enough for a restart or a replica's promotion. The gateway
+    retries for at most 2 s of it, then answers 503."""
+    broker_connection_max_retries: int = Field(default=10, ge=1)
+    """Times a worker tries to reach a lost broker again (waiting 2, 4, ... up to 30 s between
+    tries: 10 is about two minutes) before it exits with an error, for its supervisor to
+    restart, instead of hanging."""
     result_expires: int = 86400
     """Seconds Celery keeps task results; job records expire after `job_ttl`."""
     job_ttl: int = 7 * 86400
@@ -168,6 +176,20 @@ class Settings(BaseSettings):
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0
     """Default seconds for one bash or ipython call of an agent."""
+    heartbeat_interval: float = Field(default=5.0, gt=0)
+    """Seconds between a worker's heartbeats (one key per worker process and per node)."""
+    heartbeat_ttl: float = Field(default=20.0, gt=0)
+    """Seconds a heartbeat lives: a worker (or a node) silent this long is taken as dead and
+    the stages it held are sent again."""
+    sweep_interval: float = Field(default=10.0, gt=0)
+    """Seconds between sweeps for stages of dead workers, stages past their hard limit or
+    their job's time budget, and jobs pinned to a dead node (one worker of the fleet sweeps
+    per interval)."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Times a job may be started on a stage whose worker or node then died (the first try
+    counts); past it the job fails."""
+    max_seconds_limit: float = Field(default=86400.0, gt=0)
+    """Largest `agent.max_seconds` (a job's time budget across its stages) a request may ask."""
     sandbox_egress_allow: str | None = None
     """Hosts a sandbox with network may ever connect to: comma-separated host names and
     suffix patterns (`pypi.org,*.pythonhosted.org`), each with an optional `:port` (without
@@ -257,6 +279,12 @@ class Settings(BaseSettings):
                     f"ROLLSERVE_{stage.upper()}_SOFT_TIME_LIMIT ({soft}) must be below "
                     f"ROLLSERVE_{stage.upper()}_TIME_LIMIT ({hard})"
                 )
+        if self.heartbeat_ttl <= self.heartbeat_interval:
+            raise ValueError(
+                f"ROLLSERVE_HEARTBEAT_TTL ({self.heartbeat_ttl}) must exceed "
+                f"ROLLSERVE_HEARTBEAT_INTERVAL ({self.heartbeat_interval}), "
+                "or live workers are taken as dead"
+            )
         if (
             self.visibility_timeout is not None
             and self.visibility_timeout <= self.longest_hard_limit

@@ -117,7 +117,13 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
         argv += ["--concurrency", str(args.concurrency)]
     if args.autoscale:
         argv += ["--autoscale", args.autoscale]
-    get_celery().worker_main(argv)
+    from celery.bin.celery import celery as celery_command
+
+    get_celery()  # fails early, naming the setting, without ROLLSERVE_REDIS_URL
+    # Celery's own command line in standalone mode exits with the worker's status (the app's
+    # `worker_main` drops it), so a worker that lost the broker for good exits non-zero and
+    # its supervisor (systemd) restarts it.
+    celery_command.main(args=["-A", "broker.worker_app", *argv], prog_name="celery")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Starts and stops a whole rollserve stack on one machine: Redis, dev backend, workers, gateway.
 
 Every child runs in its own process group with a parent-death signal, so neither Ctrl-C nor a
-killed owner leaves a process behind.
+killed owner leaves a process behind. A supervisor restarts any child that dies (Redis on the
+same port, from its append-only file), with capped exponential backoff.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from broker.celery_app import QUEUES, worker_queues
 from broker.embedded import EmbeddedRedis, redact_url, write_private_file
 from broker.processes import free_port, spawn, stop_group, wait_for_port
 from core.settings import Settings
+from deploy.supervisor import Backoff, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class StackOptions:
     ready_timeout: float = 60.0
     """Seconds `start()` waits for `GET /readyz` to answer 200 when the stack runs every part
     itself (workers on every queue and a backend); a stack missing a part does not wait."""
+    restart_backoff: Backoff = field(default_factory=Backoff)
+    """How the supervisor spaces the restarts of a child that dies."""
 
 
 class Stack:
@@ -93,6 +98,11 @@ class Stack:
         self.dev_backend_url = ""
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.worker_names: dict[str, str] = {}
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self._children_lock = threading.Lock()
+        self.supervisor = Supervisor(
+            self._dead_children, self._restart_child, options.restart_backoff
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Stack:
@@ -131,17 +141,25 @@ class Stack:
         for name in list(self.worker_names):
             self.wait_worker(name)
         self._register_backends()
+        self.supervisor.start()
         if self.runs_every_part:
             self.wait_ready(self.options.ready_timeout)
 
     def stop(self) -> None:
-        """Stop every child (workers first, Redis last); safe to call twice."""
-        order = sorted(self.children, key=lambda n: (not n.startswith("worker"), n))
-        for name in order:
-            stop_group(self.children.pop(name), timeout=15)
+        """Stop every child (workers first, Redis last); safe to call twice.
+
+        The supervisor is paused first, so nothing is restarted while the stack goes down, and
+        its thread ends last (children it restarted are tied to that thread's life).
+        """
+        self.supervisor.pause()
+        with self._children_lock:
+            order = sorted(self.children, key=lambda n: (not n.startswith("worker"), n))
+            for name in order:
+                stop_group(self.children.pop(name), timeout=15)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self.supervisor.stop()
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -167,9 +185,39 @@ class Stack:
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
         log_path = self.data_dir / "logs" / f"{name}.log"
-        proc = spawn(argv, env={**self.child_env(), **(env or {})}, log_path=str(log_path))
-        self.children[name] = proc
+        full_env = {**self.child_env(), **(env or {})}
+        proc = spawn(argv, env=full_env, log_path=str(log_path))
+        with self._children_lock:
+            self.children[name] = proc
+            self._commands[name] = (argv, full_env)
         return proc
+
+    # ------------------------------------------------------------------ supervision
+    def _dead_children(self) -> dict[str, int]:
+        """Children (and the embedded Redis) that have ended, with their return codes."""
+        with self._children_lock:
+            dead = {name: p.returncode for name, p in self.children.items() if p.poll() is not None}
+        code = self.redis.poll() if self.redis is not None else None
+        if code is not None:
+            dead["redis"] = code
+        return dead
+
+    def _restart_child(self, name: str) -> None:
+        """Reap what is left of a dead child (its process group) and start it again, with the
+        same command, environment and port."""
+        if name == "redis":
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis.start()
+            return
+        with self._children_lock:
+            old = self.children.get(name)
+            if old is None:  # stopped on purpose meanwhile (kill_worker, stop)
+                return
+            stop_group(old, timeout=5)  # a dead worker's pool processes go with it
+            argv, env = self._commands[name]
+            log_path = self.data_dir / "logs" / f"{name}.log"
+            self.children[name] = spawn(argv, env=env, log_path=str(log_path))
 
     def _start_dev_backend(self, opts: DevBackendOptions) -> None:
         port = opts.port or free_port()
@@ -234,7 +282,8 @@ class Stack:
 
     def kill_worker(self, child: str, sig: int) -> None:
         """Send `sig` to a worker's whole process group (its main process and pool children)."""
-        proc = self.children.pop(child)
+        with self._children_lock:
+            proc = self.children.pop(child)
         os.killpg(proc.pid, sig)
         proc.wait(timeout=30)
         stop_group(proc)

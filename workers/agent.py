@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ class Limits:
     seed: int | None = None
     stop: list[str] | None = None
     tool_timeout: float = 120.0
+    deadline: float | None = None
+    """`time.monotonic()` by which the episode stops (the job's time budget), or None."""
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline (0 once past it), or None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 @dataclass
@@ -66,10 +73,12 @@ async def run_episode(
     on_turn: Callable[[TrajectoryBuilder], None] = lambda _b: None,
     runner: ToolRunner | None = None,
 ) -> Episode:
-    """Run the multi-turn loop until an answer, `max_turns`, the budget or the context ends it.
+    """Run the multi-turn loop until an answer, `max_turns`, a budget or the context ends it.
 
     `stop_reason` says which: `answer` (or the handler's own reason), `finish` (the model
-    called the finish tool), `max_turns`, `token_budget`, `context_length` or
+    called the finish tool), `max_turns`, `token_budget`, `time_budget` (the limits'
+    deadline passed: checked before every call, and a call still running then is cut off),
+    `context_length` or
     `invalid_token` (the model generated an id outside the backend's vocabulary, so no later
     prompt can carry it: known before sending, or told by the backend's refusal of the next
     prompt; the trajectory keeps the id as returned). A call cut by its per-call
@@ -96,17 +105,27 @@ async def run_episode(
         max_tokens = min(limits.max_tokens, budget_left, room)
         if turn > 0 and _known_refused(policy, builder):
             return Episode(builder, "invalid_token", truncated=False)
+        time_left = limits.time_left()
+        if time_left is not None and time_left <= 0:
+            return Episode(builder, "time_budget", truncated=True)
 
         turn_started = started = time.perf_counter()
         try:
-            completion = await policy.complete(
-                builder.sequence,
-                max_tokens=max_tokens,
-                temperature=limits.temperature,
-                top_p=limits.top_p,
-                seed=limits.seed,
-                stop=limits.stop,
+            completion = await asyncio.wait_for(
+                policy.complete(
+                    builder.sequence,
+                    max_tokens=max_tokens,
+                    temperature=limits.temperature,
+                    top_p=limits.top_p,
+                    seed=limits.seed,
+                    stop=limits.stop,
+                ),
+                timeout=time_left,
             )
+        except TimeoutError:
+            if limits.time_left() == 0:
+                return Episode(builder, "time_budget", truncated=True)
+            raise
         except OutOfVocabularyError as exc:
             if _generated_refused(builder, exc):
                 return Episode(builder, "invalid_token", truncated=False)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from celery import Celery
 from kombu.exceptions import LimitExceeded
 
-from broker.celery_app import send_job
+from broker.celery_app import send_job, send_stage
 from broker.jobstore import (
     FinishOutcome,
     JobNotFound,
@@ -117,6 +117,27 @@ class Dispatcher:
                 for job_id in chunk:
                     ids = (task_ids or {}).get(job_id) or stage_task_ids(job_id)
                     send_job(self.celery, job_id, ids, producer)
+
+    def send_again(
+        self,
+        job_id: str,
+        task_ids: dict[str, str],
+        stage: str,
+        attempt: int,
+        queues: dict[str, str] | None = None,
+    ) -> None:
+        """Send the job's `stage` and the stages after it again, as attempt `attempt` (the
+        sweeper's takeover of a stage whose worker or node died)."""
+        try:
+            connection = self.celery.pool.acquire(block=True, timeout=self.send_timeout)
+        except LimitExceeded:
+            raise DispatchError(
+                f"the broker is saturated: no connection to it came free within "
+                f"{self.send_timeout:g}s (ROLLSERVE_BROKER_SEND_TIMEOUT)"
+            ) from None
+        with connection:
+            producer = self.celery.amqp.Producer(connection)
+            send_stage(self.celery, job_id, task_ids, stage, attempt, producer, queues)
 
     def enqueue_specs(
         self, specs: Sequence[JobSpec], batch_id: str | None, group_size: int, tenant: str = ""

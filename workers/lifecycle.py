@@ -18,6 +18,11 @@ batch can be done — once the stage has ended and the sandbox has been released
 
 Each step records what it freed in the job store (`stage_end`, `sandbox_released`), whose
 Lua script drops the job from the stopping set once nothing of it is left.
+
+The marks also say which worker holds a stage (`workers.liveness`): `on_received` notes a
+stage message as soon as the worker's main process receives it, `tracked` marks it when it
+begins, and the sweeper (`workers.sweeper`) takes over the stages of a worker whose
+heartbeat stopped. A stage message of an earlier attempt than the job's is dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
-from celery.signals import task_revoked
+from celery.signals import task_received, task_revoked
 from celery.worker.control import control_command
 
 from broker.jobstore import JobNotFound, job_of_task
@@ -38,6 +43,7 @@ from sandbox.procs import process_matches, process_start_time
 from sandbox.reaper import reap
 from workers.dispatch import RELEASE_COMMAND
 from workers.holdings import free
+from workers.liveness import owner
 from workers.process_state import Runtime, get_runtime
 
 log = logging.getLogger(__name__)
@@ -53,17 +59,26 @@ def where(rt: Runtime) -> str:
     return f"{rt.settings.node_name}|{pid}|{process_start_time(pid) or ''}"
 
 
-def tracked(task: Task, job_id: str, body: Callable[[], None]) -> None:
-    """Run a stage task's `body` between the job store's stage marks (see the module doc)."""
+def tracked(task: Task, job_id: str, body: Callable[[], None], attempt: int = 0) -> None:
+    """Run a stage task's `body` between the job store's stage marks (see the module doc).
+
+    The mark names this worker (`workers.liveness.owner`) so the sweeper can take the stage
+    over if the worker dies; a message of an earlier `attempt` than the job's (the stage was
+    taken over and sent again) is dropped without touching the job.
+    """
     rt = get_runtime()
     task_id = str(task.request.id or "")
     try:
-        began = rt.store.stage_begin(job_id, task_id, where(rt))
+        began = rt.store.begin_stage(job_id, task_id, where(rt), owner(rt), attempt)
     except JobNotFound:
         log.warning("job %s is not in the store (expired or deleted); dropping it", job_id)
         task.request.chain = None
         return
-    if not began:  # ended (cancelled) before this stage could start: nothing of it may stay
+    if began == "stale":
+        log.info("job %s: dropping %s of attempt %d, sent again since", job_id, task_id, attempt)
+        task.request.chain = None
+        return
+    if began == "ended":  # ended (cancelled) before this stage could start: nothing may stay
         task.request.chain = None
         rt.free(job_id, task_id)  # also a mark left by a worker that died running it
         return
@@ -144,6 +159,24 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
         log.exception("confirming the stop of job %s (task %s) failed", job_id, task_id)
 
 
+def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """In the worker's main process: a stage message arrived. Note in the job store that this
+    worker holds it before any pool process begins it, so the sweeper takes it over if the
+    worker dies while the message waits here (`JobStore.reserve`)."""
+    if getattr(request, "name", None) not in STAGE_TASKS:
+        return
+    job_id = job_of_request(request)
+    args = getattr(request, "args", None)
+    attempt = args[1] if isinstance(args, list | tuple) and len(args) > 1 else 0
+    if not job_id or not isinstance(attempt, int):
+        return
+    try:
+        rt = get_runtime()
+        rt.store.reserve(job_id, str(getattr(request, "id", "") or ""), owner(rt), attempt)
+    except Exception:
+        log.exception("noting the receipt of job %s's stage failed", job_id)
+
+
 def rollserve_release(state: Any, job_ids: list[str]) -> dict[str, str]:
     """Stop the sandboxes on this node of these ended jobs (asked by a canceller elsewhere)."""
     rt = get_runtime()
@@ -153,10 +186,12 @@ def rollserve_release(state: Any, job_ids: list[str]) -> dict[str, str]:
 
 
 def connect_worker_hooks() -> None:
-    """Hook this module into the worker: `on_revoked` on Celery's `task_revoked` signal (in the
-    main process), `rollserve_release` as the remote-control command of that name. Called
+    """Hook this module into the worker: `on_revoked` on Celery's `task_revoked` signal and
+    `on_received` on `task_received` (in the main process), `rollserve_release` as the
+    remote-control command of that name. Called
     once by the module that defines the stage tasks; connecting twice changes nothing."""
     task_revoked.connect(on_revoked, weak=False, dispatch_uid="rollserve.on_revoked")
+    task_received.connect(on_received, weak=False, dispatch_uid="rollserve.on_received")
     control_command(name=RELEASE_COMMAND, args=[("job_ids", list)], signature="<job id> ...")(
         rollserve_release
     )

@@ -10,10 +10,10 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import redis
 from celery import Celery
 
 from broker.celery_app import get_celery
+from broker.connections import redis_client
 from broker.jobstore import JobNotFound, JobStore
 from core.schemas import Backend, JobStatus, StageError, Trajectory
 from core.settings import Settings, get_settings
@@ -137,7 +137,7 @@ def get_runtime() -> Runtime:
         settings = get_settings()
         if not settings.redis_url:
             raise RuntimeError("ROLLSERVE_REDIS_URL is not set in the worker's environment")
-        client = redis.Redis.from_url(settings.redis_url)
+        client = redis_client(settings.redis_url, settings.redis_retry_seconds)
         _runtime = (
             os.getpid(),
             Runtime(

@@ -25,10 +25,31 @@ from workers.routed_policy import JobCancelled, RoutedPolicy
 from workers.trajectory import TrajectoryBuilder
 
 
+class TimeBudgetSpent(Exception):
+    """The job's `agent.max_seconds` was used up before one of its stages began."""
+
+
+def budget_left(record: JobRecord) -> float | None:
+    """Seconds left of the job's time budget (`agent.max_seconds` minus the seconds of the
+    stages it finished), or None without a budget."""
+    budget = record.agent.get("max_seconds")
+    if budget is None:
+        return None
+    return float(budget) - sum(record.durations.values())
+
+
 def _enter(rt: Runtime, job_id: str, status: JobStatus) -> JobRecord | None:
+    """Move the job into `status`; None when it has ended. INIT and RUN refuse to begin once
+    the job's time budget is spent (`TimeBudgetSpent`); EVAL grades what RUN left."""
     record = rt.store.get(job_id)
     if record.status.terminal:
         return None
+    left = budget_left(record)
+    if left is not None and left <= 0 and status is not JobStatus.eval:
+        raise TimeBudgetSpent(
+            f"the job's time budget of {float(record.agent['max_seconds']):g}s "
+            f"(agent.max_seconds) was spent before its {status.value} stage began"
+        )
     rt.store.transition(job_id, status, rt.settings.node_name)
     return record
 
@@ -51,6 +72,7 @@ def init_stage(rt: Runtime, job_id: str) -> bool:
             rt.release_sandbox(job_id)
         kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
         rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": rt.settings.node_name})
+        rt.store.pin(job_id, rt.settings.node_name)
         with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
             handler.prepare(record.task, tools)
     rt.store.set_fields(job_id, context=context)
@@ -59,9 +81,11 @@ def init_stage(rt: Runtime, job_id: str) -> bool:
 
 
 def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
-    """The episode's bounds from the job's resolved sampling and agent parameters."""
+    """The episode's bounds from the job's resolved sampling and agent parameters; its
+    deadline is what is left of the job's time budget, counted from now."""
     sampling: dict[str, Any] = record.sampling
     seed = sampling.get("seed")
+    left = budget_left(record)
     return Limits(
         max_turns=int(record.agent["max_turns"]),
         max_total_tokens=int(record.agent["max_total_tokens"]),
@@ -71,6 +95,7 @@ def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
         seed=None if seed is None else int(seed) + record.sample_index,
         stop=sampling.get("stop"),
         tool_timeout=tool_timeout,
+        deadline=None if left is None else time.monotonic() + max(0.0, left),
     )
 
 

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery import Task, shared_task
@@ -20,10 +21,11 @@ from core.schemas import JobStatus, StageError
 from routing.health import sweep, take_turn
 from sandbox.base import SandboxSecurityError
 from sandbox.reaper import reap
-from workers import boxreport, stages
+from workers import boxreport, liveness, stages
 from workers.handlers.registry import get_handler, known_handlers
 from workers.lifecycle import connect_worker_hooks, tracked
 from workers.process_state import Runtime, get_runtime
+from workers.sweeper import sweep_forever
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,11 @@ def execute_stage(task: Task, stage: str, job_id: str, fn: Callable[[Runtime, st
     except JobNotFound:
         log.warning(
             "job %s is not in the store (expired or deleted); dropping its %s", job_id, stage
+        )
+        proceed = False
+    except stages.TimeBudgetSpent as exc:
+        rt.end_job(
+            job_id, JobStatus.timed_out, StageError(stage=stage, type="timeout", message=str(exc))
         )
         proceed = False
     except SoftTimeLimitExceeded:
@@ -119,12 +126,24 @@ def reap_forever(interval: float) -> None:
         time.sleep(interval)
         try:
             rt = get_runtime()
-            reaped = reap(rt.settings.sandbox_dir.resolve(), rt.job_live)
+            reaped = reap(rt.settings.sandbox_dir.resolve(), partial(holds_box_here, rt))
             if reaped:
                 log.info("reaped sandboxes %s", ", ".join(reaped))
             publish_sandbox_limits(rt)
         except Exception:
             log.exception("sandbox reaper sweep failed; trying again in %.0fs", interval)
+
+
+def holds_box_here(rt: Runtime, job_id: str) -> bool:
+    """Whether the job may still hold a box on this node: it is live, and its record names no
+    sandbox on another node (a job restarted elsewhere after this node was lost)."""
+    try:
+        record = rt.store.get(job_id, task=False)
+    except JobNotFound:
+        return False
+    if record.status.terminal:
+        return False
+    return record.sandbox is None or record.sandbox.get("host") == rt.settings.node_name
 
 
 def publish_sandbox_limits(rt: Runtime) -> None:
@@ -177,16 +196,35 @@ def start_backend_watch(**_: Any) -> None:
     ).start()
 
 
+@worker_init.connect
+def register_worker(sender: Any = None, **_: Any) -> None:
+    """Fix this worker's identity and beat once, before the pool forks (`workers.liveness`)."""
+    try:
+        liveness.register(liveness.consumed_queues(sender))
+    except Exception:
+        log.exception("the first worker heartbeat failed; the heartbeat thread retries")
+
+
+@worker_ready.connect
+def start_heartbeat_and_sweeper(**_: Any) -> None:
+    """Each worker beats, and takes its turn at sweeping for lost and overdue stages."""
+    settings = get_runtime().settings
+    threading.Thread(target=liveness.beat_forever, name="heartbeat", daemon=True).start()
+    threading.Thread(
+        target=sweep_forever, args=(settings.sweep_interval,), name="sweeper", daemon=True
+    ).start()
+
+
 @shared_task(name="rollserve.init", bind=True)
-def init_task(self: Task, job_id: str) -> None:
-    tracked(self, job_id, lambda: execute_stage(self, "init", job_id, stages.init_stage))
+def init_task(self: Task, job_id: str, attempt: int = 0) -> None:
+    tracked(self, job_id, partial(execute_stage, self, "init", job_id, stages.init_stage), attempt)
 
 
 @shared_task(name="rollserve.run", bind=True)
-def run_task(self: Task, job_id: str) -> None:
-    tracked(self, job_id, lambda: execute_stage(self, "run", job_id, stages.run_stage))
+def run_task(self: Task, job_id: str, attempt: int = 0) -> None:
+    tracked(self, job_id, partial(execute_stage, self, "run", job_id, stages.run_stage), attempt)
 
 
 @shared_task(name="rollserve.eval", bind=True)
-def eval_task(self: Task, job_id: str) -> None:
-    tracked(self, job_id, lambda: execute_stage(self, "eval", job_id, stages.eval_stage))
+def eval_task(self: Task, job_id: str, attempt: int = 0) -> None:
+    tracked(self, job_id, partial(execute_stage, self, "eval", job_id, stages.eval_stage), attempt)

@@ -46,15 +46,27 @@ def progress(batch_id: BatchId, svc: Services = Depends(services)) -> BatchProgr
     response_class=StreamingResponse,
     responses={200: {"content": {"application/x-ndjson": {}}}, **BY_ID},
 )
-def results(batch_id: BatchId, svc: Services = Depends(services)) -> StreamingResponse:
+def results(
+    batch_id: BatchId,
+    after: str | None = Query(
+        None,
+        max_length=100,
+        description="the `cursor` of a line of this stream: resume right after that line",
+    ),
+    svc: Services = Depends(services),
+) -> StreamingResponse:
     """Finished trajectories as NDJSON, each as soon as it finishes; ends when all have.
+
+    Every line carries `cursor`, its place in the batch's ordered log of results; `?after=`
+    with it resumes right after that line, on any gateway. Blank lines are keep-alives.
 
     For a dynamic batch: the trajectories of each accepted group as it is accepted, exactly
     `target_groups` groups (fewer if the pool ran out); ends once the batch is done, when no
     job of it runs and no sandbox or backend slot of it is held."""
     svc.store.batch_progress(batch_id)  # 404 before the stream starts
+    entry_id = service.resume_point(svc, batch_id, after)  # 422 naming `after`
     return StreamingResponse(
-        service.stream_results(svc, batch_id), media_type="application/x-ndjson"
+        service.stream_results(svc, batch_id, entry_id), media_type="application/x-ndjson"
     )
 
 

@@ -67,6 +67,22 @@ class Batches(Dynamic):
         return {text(k): text(v) for k, v in self.r.hgetall(self._batch(batch_id)).items()}
 
     # ------------------------------------------------------------------ result streams
+    def _results_stream(self, batch_id: str) -> str:
+        """The batch's ordered log of result lines: every finished job of a plain batch (the
+        `done` stream), the accepted groups' jobs of a dynamic one (`accepted`)."""
+        if self.is_dynamic(batch_id):
+            return self._bkey(batch_id, "accepted")
+        return self._batch_stream(batch_id)
+
+    def has_result_entry(self, batch_id: str, entry_id: str) -> bool:
+        """Whether `entry_id` is a job's entry in the batch's log of result lines."""
+        stream = self._results_stream(batch_id)
+        entries = self.r.xrange(stream, min=entry_id, max=entry_id, count=1)
+        return any(
+            text(entry) == entry_id and (b"job_id" in fields or "job_id" in fields)
+            for entry, fields in entries
+        )
+
     def iter_finished(
         self, batch_id: str, block_ms: int = 1000, idle: Iterator[None] | None = None
     ) -> Iterator[str | None]:
@@ -75,26 +91,52 @@ class Batches(Dynamic):
         Yields None after each `block_ms` without news, so a streaming caller can send a
         keep-alive or notice that its client went away.
         """
+        for item in self.iter_results(batch_id, block_ms=block_ms):
+            yield None if item is None else item[1]
+
+    def iter_results(
+        self, batch_id: str, after: str | None = None, block_ms: int = 1000
+    ) -> Iterator[tuple[str, str] | None]:
+        """`(entry id, job id)` of each result line of the batch, in the order of its log,
+        from the entry after `after` (from the first without it) until the batch has no more.
+
+        A plain batch's lines are its finished jobs, in finishing order, and end when all
+        have finished; a dynamic batch's are the jobs of each accepted group, and end when
+        the batch is done. Entry ids are those of the Redis stream the finish script appends
+        to exactly once per line, so they stay valid across readers and gateway restarts.
+        Yields None after each `block_ms` without news, so a streaming caller can send a
+        keep-alive or notice that its client went away.
+        """
+        last = after or "0-0"
         if self.is_dynamic(batch_id):
-            yield from self._iter_accepted(batch_id, block_ms)
+            yield from self._iter_accepted(batch_id, block_ms, last)
             return
         total = self.batch_progress(batch_id).total
-        seen = 0
-        last = "0-0"
         stream = self._batch_stream(batch_id)
-        while seen < total:
-            answer = self.r.xread({stream: last}, block=block_ms, count=500)
-            if not answer:
-                yield None
-                continue
-            for entry_id, fields in answer[0][1]:
+        while True:
+            # One snapshot: the entries past `last` and how many there are in all, so the
+            # stream is known complete only once every entry of it has been read.
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xrange(stream, min=f"({last}", count=500)
+            pipe.xlen(stream)
+            entries, length = pipe.execute()
+            if not entries:
+                if length >= total:
+                    return
+                answer = self.r.xread({stream: last}, block=block_ms, count=500)
+                if not answer:
+                    yield None
+                    continue
+                entries = answer[0][1]
+            for entry_id, fields in entries:
                 last = text(entry_id)
-                seen += 1
-                yield text(fields[b"job_id"] if b"job_id" in fields else fields["job_id"])
+                yield last, text(fields[b"job_id"] if b"job_id" in fields else fields["job_id"])
 
-    def _iter_accepted(self, batch_id: str, block_ms: int) -> Iterator[str | None]:
-        """A dynamic batch's accepted jobs, group by group, until the batch is done."""
-        last = "0-0"
+    def _iter_accepted(
+        self, batch_id: str, block_ms: int, last: str = "0-0"
+    ) -> Iterator[tuple[str, str] | None]:
+        """A dynamic batch's accepted jobs past entry `last`, group by group, until the batch
+        is done."""
         stream = self._bkey(batch_id, "accepted")
         while True:
             answer = self.r.xread({stream: last}, block=block_ms, count=500)
@@ -108,4 +150,4 @@ class Batches(Dynamic):
                 fields = {text(k): text(v) for k, v in raw.items()}
                 if "end" in fields:
                     return
-                yield fields["job_id"]
+                yield last, fields["job_id"]

@@ -25,10 +25,27 @@ class Marks(Dynamic):
         without it, a cancel and a starting stage cannot both go on (one Lua script each).
         `where` (host|pid|process start time) lets the worker wait for a killed process.
         """
-        result = self._stage_begin(keys=[self._job(job_id)], args=[task_id, where, TERMINAL])
+        return self.begin_stage(job_id, task_id, where) == "began"
+
+    def begin_stage(
+        self,
+        job_id: str,
+        task_id: str,
+        where: str = "",
+        owner: str = "",
+        attempt: int | None = None,
+    ) -> str:
+        """`stage_begin` that also names the worker holding the stage (`owner`, its heartbeat
+        id) and checks the message's `attempt`: returns `began`, `ended` (the job has ended)
+        or `stale` (the message belongs to an earlier attempt, whose stage was taken over and
+        sent again: it must be dropped without touching the job)."""
+        result = self._stage_begin(
+            keys=[self._job(job_id), f"{self.p}held"],
+            args=[task_id, where, TERMINAL, owner, time.time(), "" if attempt is None else attempt],
+        )
         if result == -1:
             raise JobNotFound(job_id)
-        return bool(result == 1)
+        return {1: "began", 2: "stale"}.get(int(result), "ended")
 
     def stage_end(self, job_id: str, task_id: str = "", *, sandbox_released: bool = False) -> bool:
         """Clear the stage mark of `task_id` (if it is still that task's) and, with

@@ -168,6 +168,18 @@ def test_token_budgets_are_bounded(http: httpx.Client, redis_client: redis.Redis
     assert fine.status_code == 202, fine.text
 
 
+def test_the_time_budget_is_positive_and_bounded(
+    http: httpx.Client, redis_client: redis.Redis
+) -> None:
+    for bad in (0, -1, "60"):
+        agent = {"max_seconds": bad}
+        refused(http, redis_client, "/v1/rollouts", rollout(agent=agent), "body.agent.max_seconds")
+    over = {"max_seconds": 86400 * 2}
+    refused(http, redis_client, "/v1/rollouts", rollout(agent=over), "body.agent.max_seconds")
+    fine = http.post("/v1/rollouts", json={"task": GOOD_TASK, "agent": {"max_seconds": 90}})
+    assert fine.status_code == 202, fine.text
+
+
 def test_every_samples_seed_must_fit_in_64_bits(
     http: httpx.Client, redis_client: redis.Redis
 ) -> None:

@@ -3,7 +3,9 @@ handlers, a fake tool server. No broker, no server, no tokenizer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -519,3 +521,34 @@ async def test_an_error_mid_episode_propagates_after_the_earlier_turns_were_save
     with pytest.raises(JobCancelled):
         await run_math([Say("a", [1, 2]), JobCancelled("job j was cancelled")], saved=saved)
     assert saved == [(1, 2), (2, 5)]
+
+
+# ----------------------------------------------------------------------------- time budget
+
+
+class SlowPolicy(FakePolicy):
+    """A policy whose every call takes `delay` seconds."""
+
+    def __init__(self, script: list[Say | BaseException], delay: float) -> None:
+        super().__init__(script)
+        self.delay = delay
+
+    async def complete(self, prompt_ids: list[int], **kwargs: Any) -> Completion:
+        await asyncio.sleep(self.delay)
+        return await super().complete(prompt_ids, **kwargs)
+
+
+async def test_a_spent_time_budget_stops_the_episode_before_the_next_call() -> None:
+    episode, policy, _ = await run_math([Say("x", [1])], deadline=time.monotonic() - 1)
+    assert (episode.stop_reason, episode.truncated) == ("time_budget", True)
+    assert policy.requests == []
+
+
+async def test_a_model_call_running_past_the_time_budget_is_cut_off() -> None:
+    slow = SlowPolicy([Say("hmm", [5]), Say("\\boxed{4}", [6])], delay=0.3)
+    started = time.monotonic()
+    episode, _, _ = await run_math([], policy=slow, deadline=time.monotonic() + 0.45)
+    assert (episode.stop_reason, episode.truncated) == ("time_budget", True)
+    assert episode.builder.response_ids[0] == 5  # the first turn is kept, the second cut
+    assert [t.type for t in episode.builder.turns] == ["model", "env"]
+    assert time.monotonic() - started < 30

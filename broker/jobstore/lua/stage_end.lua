@@ -1,4 +1,5 @@
--- Clear the stage mark (if it is this task's) and confirm a cancelled job stopped (after lib.lua).
+-- Clear the stage mark (if it is this task's, and drop it from the held stages) and confirm a
+-- cancelled job stopped (after lib.lua).
 -- KEYS: 1 job hash
 -- ARGV: 1 key prefix, 2 task id ('' for none), 3 now, 4 '1' to mark the sandbox released
 -- Returns 'done' if that made a cancelling batch done, else ''.
@@ -6,6 +7,8 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return '' end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'sandbox_released', '1') end
 local active = redis.call('HGET', KEYS[1], 'active')
 if ARGV[2] ~= '' and active == ARGV[2] then
-  redis.call('HDEL', KEYS[1], 'active', 'active_at')
+  redis.call('HDEL', KEYS[1], 'active', 'active_at', 'active_owner', 'active_since',
+             'active_pending')
+  redis.call('ZREM', ARGV[1] .. 'held', redis.call('HGET', KEYS[1], 'job_id'))
 end
 return ack(ARGV[1], KEYS[1], ARGV[3])
