@@ -16,11 +16,13 @@ pool. The batch counts the job as stopped once no stage of it runs and its sandb
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from celery import Celery
 from kombu.exceptions import LimitExceeded
@@ -105,15 +107,7 @@ class Dispatcher:
         """
         for start in range(0, len(job_ids), SEND_CHUNK):
             chunk = job_ids[start : start + SEND_CHUNK]
-            try:
-                connection = self.celery.pool.acquire(block=True, timeout=self.send_timeout)
-            except LimitExceeded:
-                raise DispatchError(
-                    f"the broker is saturated: no connection to it came free within "
-                    f"{self.send_timeout:g}s (ROLLSERVE_BROKER_SEND_TIMEOUT); try again"
-                ) from None
-            with connection:
-                producer = self.celery.amqp.Producer(connection)
+            with self._producer() as producer:
                 for job_id in chunk:
                     ids = (task_ids or {}).get(job_id) or stage_task_ids(job_id)
                     send_job(self.celery, job_id, ids, producer)
@@ -128,16 +122,22 @@ class Dispatcher:
     ) -> None:
         """Send the job's `stage` and the stages after it again, as attempt `attempt` (the
         sweeper's takeover of a stage whose worker or node died)."""
+        with self._producer() as producer:
+            send_stage(self.celery, job_id, task_ids, stage, attempt, producer, queues)
+
+    @contextlib.contextmanager
+    def _producer(self) -> Iterator[Any]:
+        """A producer on one broker connection from the app's pool, held for the block only;
+        `DispatchError` when none comes free within `send_timeout` seconds."""
         try:
             connection = self.celery.pool.acquire(block=True, timeout=self.send_timeout)
         except LimitExceeded:
             raise DispatchError(
                 f"the broker is saturated: no connection to it came free within "
-                f"{self.send_timeout:g}s (ROLLSERVE_BROKER_SEND_TIMEOUT)"
+                f"{self.send_timeout:g}s (ROLLSERVE_BROKER_SEND_TIMEOUT); try again"
             ) from None
         with connection:
-            producer = self.celery.amqp.Producer(connection)
-            send_stage(self.celery, job_id, task_ids, stage, attempt, producer, queues)
+            yield self.celery.amqp.Producer(connection)
 
     def enqueue_specs(
         self, specs: Sequence[JobSpec], batch_id: str | None, group_size: int, tenant: str = ""
