@@ -252,8 +252,10 @@ def test_a_fork_bomb_is_contained(client: RolloutClient, stack: Stack) -> None:
     traj = run(client, shell_task("BOMB", "true"))
     assert traj.status is JobStatus.completed, traj.error
     # What the shell says depends on which limit the bomb meets first (bash's fork retries,
-    # the tool timeout); what matters is that the job ends and takes every process along.
-    assert traj.stop_reason == "finish", [(t.type, t.text[:500]) for t in traj.turns]
+    # the tool timeout), and a long run of "fork: retry" lines can fill the tiny model's
+    # context (the observation is then not appended); what matters is that the tool call
+    # comes back, the job ends normally and takes every process along.
+    assert traj.stop_reason in ("finish", "context_length", "token_budget"), traj.stop_reason
     assert_clean(stack, traj)  # every process of the bomb is gone with the box
 
 
