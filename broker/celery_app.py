@@ -195,3 +195,47 @@ def unacked_stages(client: redis.Redis, fetched_before: float) -> list[tuple[str
         attempt = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         found.append((args[0], stage, attempt))
     return found
+
+
+PRIORITY_SEP = "\x06\x16"
+"""What kombu's Redis transport puts between a queue's name and a message priority."""
+PRIORITY_STEPS = (3, 6, 9)
+
+
+def message_id(raw: bytes | str) -> str | None:
+    """The task id of a message as kombu's Redis transport stores it (in a queue list, or in
+    `unacked` as `[message, exchange, routing key]`), or None when it is not one."""
+    try:
+        message = json.loads(raw)
+        if isinstance(message, list):
+            message = message[0]
+        task_id = message["headers"]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return task_id if isinstance(task_id, str) else None
+
+
+def find_messages(
+    client: redis.Redis, queues: list[str], wanted: set[str], chunk: int = 500
+) -> set[str]:
+    """Which of the task ids `wanted` have a message in Redis: waiting in one of `queues`
+    (read from the oldest end, stopping once every one is found) or fetched by a worker and
+    not yet acknowledged."""
+    found: set[str] = set()
+    names = [
+        q for name in queues for q in (name, *(f"{name}{PRIORITY_SEP}{p}" for p in PRIORITY_STEPS))
+    ]
+    for name in names:
+        start = 0
+        while found != wanted:
+            raws = client.lrange(name, -start - chunk, -start - 1)
+            found.update(i for i in map(message_id, raws) if i in wanted)
+            if len(raws) < chunk:
+                break
+            start += chunk
+    if found != wanted:
+        for _, raw in client.hscan_iter(UNACKED, count=chunk):
+            task_id = message_id(raw)
+            if task_id in wanted:
+                found.add(task_id)
+    return found

@@ -20,6 +20,11 @@ of the fleet act per interval, and every takeover is one Lua script that succeed
   stage of which is held, starts again from INIT;
 - a stage message a worker fetched from Redis but never noted (it died in between), older
   than the heartbeat's time to live, is taken over the same way;
+- a live job that holds no stage and has waited longer than the heartbeat's time to live for
+  its next stage's message (`JobStore.in_transit`: just created, or a stage just ended), when
+  that message is neither in a queue nor fetched by a worker at two looks in a row, gets the
+  stage sent again the same way: a worker killed after Redis handed it the message and before
+  it was noted as fetched lost it, or a sender died before publishing it;
 - an ended job still marked by a dead worker's stage gets its mark cleared, so its cancel
   is confirmed.
 
@@ -34,7 +39,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from broker.celery_app import unacked_stages
+from broker.celery_app import QUEUES, find_messages, node_queue, unacked_stages
 from broker.jobstore import Holding
 from core.schemas import JobStatus, StageError
 from routing.health import take_turn
@@ -73,6 +78,7 @@ def sweep(rt: Runtime, now: float | None = None) -> list[Action]:
         if action is not None:
             actions.append(action)
     actions.extend(_check_unnoted(rt, now))
+    actions.extend(_check_transit(rt, now))
     for node in rt.store.nodes():
         actions.extend(_check_node(rt, node))
     return actions
@@ -95,6 +101,55 @@ def _check_unnoted(rt: Runtime, now: float) -> list[Action]:
         if action is not None:
             actions.append(action)
             h.task_id = h.task_ids.get(stage, "")  # one takeover per job and pass
+    return actions
+
+
+TRANSIT_LOOK = 256
+"""Jobs in transit looked for per pass (the longest waiting; those found go to the back)."""
+
+NEXT_STAGE = {JobStatus.queued: "init", JobStatus.init: "run", JobStatus.run: "eval"}
+"""The stage a live job holding none waits for, by its status (a stage moves its job to the
+stage's status when it begins)."""
+
+
+def _check_transit(rt: Runtime, now: float) -> list[Action]:
+    """Send again the stages whose message was lost between stages (see the module doc)."""
+    store = rt.store
+    ids = store.in_transit(now - rt.settings.heartbeat_ttl, TRANSIT_LOOK)
+    if not ids:
+        return []
+    holdings = store.holdings(ids)
+    waiting: dict[str, tuple[Holding, str]] = {}
+    settled: list[str] = []
+    for job_id in ids:
+        h = holdings.get(job_id)
+        stage = NEXT_STAGE.get(h.status) if h is not None else None
+        if h is None or stage is None or h.task_id or stage not in h.task_ids:
+            settled.append(job_id)  # gone, ended, or a stage of it is held again
+        else:
+            waiting[h.task_ids[stage]] = (h, stage)
+    store.forget_transit(settled)
+    if not waiting:
+        return []
+    queues = [*QUEUES] + [node_queue(s, n) for n in store.nodes() for s in ("run", "eval")]
+    found = find_messages(store.r, queues, set(waiting))
+    store.still_in_transit([waiting[t][0].job_id for t in found], now)
+    lost = {h.job_id: (h, stage) for t, (h, stage) in waiting.items() if t not in found}
+    earlier = store.missed(list(lost), now)
+    actions: list[Action] = []
+    nobody = store.worker_beat_key("")  # no worker beats under an empty id
+    for job_id in earlier:
+        h, stage = lost[job_id]
+        log.warning(
+            "job %s: the message of its %s stage is in no queue and no worker holds it; "
+            "sending it again",
+            job_id,
+            stage,
+        )
+        action = _take_over(rt, h, stage, nobody)
+        store.forget_transit([job_id])
+        if action is not None:
+            actions.append(action)
     return actions
 
 

@@ -85,3 +85,9 @@ class StoreBase:
 
     def _tenant_live(self, tenant: str) -> str:
         return f"{self.p}tenant:{tenant}:live"
+
+    @property
+    def transit_key(self) -> str:
+        """Sorted set: live jobs that hold no stage and wait for the message of their next
+        one (created, or a stage just ended), by the time they began waiting."""
+        return f"{self.p}transit"

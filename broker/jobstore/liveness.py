@@ -8,6 +8,9 @@ listed in `{p}pinned:{node}` while its box lives there (`{p}nodes` names every n
 
 A worker that receives a stage message notes it at once (`reserved`, `lua/reserve.lua`), so a
 message waiting in a worker for a free pool process is not lost with that worker either.
+A live job that holds no stage (just created, or a stage of it just ended) is indexed in
+`{p}transit` until a worker notes its next stage's message, so the sweeper can find one whose
+message was lost on the way (`{p}transit:missed` notes when a look found none).
 A sweeper that finds a mark whose holder's heartbeat is gone takes the stage over with
 `lua/claim.lua`: the job's `attempt` goes up by one and the mark becomes the sweeper's own,
 pending until the stage is sent again and a worker begins it. Only one caller can take a
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -152,6 +156,45 @@ class Liveness(StoreBase):
         """Drop the job from the index of held stages (its record is gone, or holds none)."""
         self.r.zrem(self.held_key, job_id)
 
+    # ------------------------------------------------------------------ jobs in transit
+    @property
+    def _missed(self) -> str:
+        return f"{self.p}transit:missed"
+
+    def in_transit(self, before: float, limit: int) -> list[str]:
+        """Up to `limit` jobs waiting for their next stage's message since before `before`
+        (Unix time), longest waiting first."""
+        found = self.r.zrangebyscore(self.transit_key, "-inf", before, start=0, num=limit)
+        return [text(j) for j in found]
+
+    def still_in_transit(self, job_ids: Sequence[str], now: float) -> None:
+        """The messages of these jobs were found waiting: look again after the others."""
+        if job_ids:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zadd(self.transit_key, dict.fromkeys(job_ids, now), xx=True)
+            pipe.hdel(self._missed, *job_ids)
+            pipe.execute()
+
+    def forget_transit(self, job_ids: Sequence[str]) -> None:
+        """Drop these jobs from the jobs in transit (ended, holding a stage, or sent again)."""
+        if job_ids:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zrem(self.transit_key, *job_ids)
+            pipe.hdel(self._missed, *job_ids)
+            pipe.execute()
+
+    def missed(self, job_ids: Sequence[str], now: float) -> dict[str, float]:
+        """Note that no message of these jobs was found at `now`; returns, for those already
+        missed at an earlier look, when that was."""
+        if not job_ids:
+            return {}
+        earlier = self.r.hmget(self._missed, list(job_ids))
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hsetnx(self._missed, job_id, now)
+        pipe.execute()
+        return {j: float(t) for j, t in zip(job_ids, earlier, strict=True) if t is not None}
+
     # ------------------------------------------------------------------ reads
     def holdings(self, job_ids: list[str]) -> dict[str, Holding]:
         """What the sweeper needs of each of these jobs that still exists (pipelined)."""
@@ -192,7 +235,7 @@ class Liveness(StoreBase):
         """Note that the worker `owner` received the job's stage message `task_id` (of
         `attempt`): `reserved`, or `ended`, `stale` (an earlier attempt's) or `missing`."""
         result = self._reserve(
-            keys=[self._job(job_id), self.held_key],
+            keys=[self._job(job_id), self.held_key, self.transit_key],
             args=[task_id, owner, time.time(), TERMINAL, attempt],
         )
         return {-1: "missing", 1: "reserved", 2: "stale"}.get(int(result), "ended")
@@ -215,7 +258,7 @@ class Liveness(StoreBase):
         record forgets the sandbox and context of the lost attempt)."""
         pinned = self._pinned(holding.sandbox_host) if restart and holding.sandbox_host else ""
         result = self._claim(
-            keys=[self._job(holding.job_id), self.held_key, gone, pinned],
+            keys=[self._job(holding.job_id), self.held_key, gone, pinned, self.transit_key],
             args=[
                 TERMINAL,
                 "" if holding.reserved else holding.task_id,

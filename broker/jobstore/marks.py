@@ -40,7 +40,7 @@ class Marks(Dynamic):
         or `stale` (the message belongs to an earlier attempt, whose stage was taken over and
         sent again: it must be dropped without touching the job)."""
         result = self._stage_begin(
-            keys=[self._job(job_id), f"{self.p}held"],
+            keys=[self._job(job_id), f"{self.p}held", self.transit_key],
             args=[task_id, where, TERMINAL, owner, time.time(), "" if attempt is None else attempt],
         )
         if result == -1:
@@ -53,7 +53,7 @@ class Marks(Dynamic):
         cancelling batch done (every one of its cancelled jobs is confirmed stopped)."""
         result = self._stage_end(
             keys=[self._job(job_id)],
-            args=[self.p, task_id, time.time(), "1" if sandbox_released else ""],
+            args=[self.p, task_id, time.time(), "1" if sandbox_released else "", TERMINAL],
         )
         return text(result) == "done"
 

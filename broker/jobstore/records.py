@@ -75,6 +75,8 @@ class Records(StoreBase):
                 },
             )
             pipe.expire(self._job(spec.job_id), self.ttl)
+        if specs:
+            pipe.zadd(self.transit_key, {s.job_id: now for s in specs})
         pipe.hincrby(self._counts, JobStatus.queued.value, len(specs))
         if tenant and specs:
             pipe.sadd(self._tenant_live(tenant), *[s.job_id for s in specs])
@@ -111,6 +113,8 @@ class Records(StoreBase):
         pipe = self.r.pipeline(transaction=True)
         for spec in specs:
             pipe.delete(self._job(spec.job_id))
+        if specs:
+            pipe.zrem(self.transit_key, *[s.job_id for s in specs])
         pipe.hincrby(self._counts, JobStatus.queued.value, -len(specs))
         if tenant and specs:
             pipe.srem(self._tenant_live(tenant), *[s.job_id for s in specs])

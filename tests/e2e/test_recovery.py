@@ -54,12 +54,6 @@ def holder_pid(fields: dict[str, str]) -> int | None:
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: a stage message the killed worker had popped from Redis but not yet "
-    "recorded as unacknowledged is lost outright, and its job waits in `init` for good "
-    "(see README, Not built yet)",
-)
 def test_a_killed_run_workers_jobs_complete_once_well_before_the_visibility_timeout(
     client: RolloutClient, stack: Stack
 ) -> None:
@@ -131,3 +125,25 @@ def test_the_time_budget_stops_the_episode(client: RolloutClient) -> None:
     assert (traj.stop_reason, traj.truncated) == ("time_budget", True)
     assert 1 <= len([t for t in traj.turns if t.type == "model"]) < 8
     assert traj.reward == 0.0
+
+
+def test_a_stage_message_lost_in_transit_is_sent_again(client: RolloutClient, stack: Stack) -> None:
+    r = redis.Redis.from_url(stack.redis_url)
+    for name in [n for n in stack.worker_names if n.startswith("worker-run")]:
+        if name in stack.children:
+            stack.kill_worker(name, signal.SIGKILL)
+    job_id = client.submit_rollout(math_task("STEADY", "6", 99))
+    assert isinstance(job_id, str)
+    wait_until(lambda: r.llen("run") == 1, 60, "INIT to end and send the RUN message")
+    # A run worker takes the message from Redis and is killed before it notes it anywhere.
+    lost_at = time.monotonic()
+    assert r.rpop("run") is not None
+    stack.wait_worker(stack.start_worker("run", 1))
+    wait_until(lambda: client.get_rollout(job_id).status.terminal, 180, "the job to end")
+    print(
+        f"\nthe lost RUN message was sent again; job done {time.monotonic() - lost_at:.1f}s later"
+    )
+    traj = client.get_rollout(job_id)
+    assert (traj.status, traj.reward, traj.error) == (JobStatus.completed, 1.0, None)
+    assert job_fields(r, job_id)["attempt"] == "1"
+    assert r.llen("run") == 0 and r.zcard("rs:transit") == 0

@@ -305,6 +305,78 @@ def test_a_message_fetched_by_a_worker_that_died_before_noting_it_is_sent_again(
     assert sweep(rt, later(rt)) == []  # the fetched message is an earlier attempt's now
 
 
+def init_done(rt: Runtime, job_id: str) -> None:
+    """The job's INIT ran and ended on a live worker (its RUN message is sent next)."""
+    rt.store.transition(job_id, JobStatus.init)
+    assert rt.store.begin_stage(job_id, f"{job_id}-init", LIVE, LIVE, 0) == "began"
+    rt.store.stage_finished(job_id, "init", 0.5)
+    rt.store.stage_end(job_id, f"{job_id}-init")
+
+
+def test_a_message_lost_between_stages_is_sent_again_after_two_looks(
+    rt: Runtime, redis_client: redis.Redis
+) -> None:
+    job_id = make_job(rt.store)
+    init_done(rt, job_id)
+    assert rt.store.in_transit(time.time() + 1, 10) == [job_id]
+    # nothing sent the RUN message (or a worker killed after Redis handed it over took it)
+    assert sweep(rt, time.time()) == []  # not waiting long enough yet
+    assert sweep(rt, later(rt)) == []  # a first look: it may be on its way to a worker
+    [action] = sweep(rt, later(rt, 1))
+    assert (action.job_id, action.what, action.stage, action.attempt) == (
+        job_id,
+        "requeued",
+        "run",
+        1,
+    )
+    assert queued(redis_client, "run") == [
+        {"id": f"{job_id}-run", "args": [job_id, 1], "chain": ["rollserve.eval"]}
+    ]
+    assert rt.store.in_transit(later(rt, 10), 10) == []  # held (pending) now
+    assert sweep(rt, later(rt, 2)) == []
+    assert rt.store.reserve(job_id, f"{job_id}-run", LIVE, 1) == "reserved"
+    assert len(queued(redis_client, "run")) == 1
+
+
+def test_a_created_job_whose_init_message_never_went_out_is_sent(
+    rt: Runtime, redis_client: redis.Redis
+) -> None:
+    job_id = make_job(rt.store)
+    assert sweep(rt, later(rt)) == []
+    [action] = sweep(rt, later(rt, 1))
+    assert (action.what, action.stage, action.attempt) == ("requeued", "init", 1)
+    assert [(m["id"], m["args"]) for m in queued(redis_client, "init")] == [
+        (f"{job_id}-init", [job_id, 1])
+    ]
+
+
+def test_messages_waiting_in_a_queue_or_fetched_by_a_worker_are_left_alone(
+    rt: Runtime, redis_client: redis.Redis
+) -> None:
+    waiting, fetched, pinned = (make_job(rt.store) for _ in range(3))
+    for job_id in (waiting, fetched, pinned):
+        init_done(rt, job_id)
+    ids = rt.store.get(waiting).task_ids
+    rt.dispatcher.send_again(waiting, ids, "run", 0)
+    rt.dispatcher.send_again(fetched, rt.store.get(fetched).task_ids, "run", 0)
+    # the older one, `waiting`'s, fetched just now (a live worker notes it at once)
+    fetch_into_unacked(redis_client, "run", later(rt, 10))
+    rt.dispatcher.send_again(pinned, rt.store.get(pinned).task_ids, "run", 0, {"run": "run.b"})
+    rt.store.pin(pinned, "node-b")  # a node queue the sweeper learns from the nodes it saw
+    redis_client.rename("run.b", "run.node-b")
+    looks = [later(rt, n * rt.settings.heartbeat_ttl) for n in range(3)]
+    for now in looks:
+        assert sweep(rt, now) == []
+        # found, each is looked for again only a heartbeat's time to live later
+        assert rt.store.in_transit(now - 0.5, 10) == []
+        assert len(rt.store.in_transit(now + 0.5, 10)) == 3
+    assert redis_client.llen("run") == 1 and redis_client.llen("run.node-b") == 1
+    # a job that ends leaves the jobs in transit at the next look
+    rt.store.transition(waiting, JobStatus.cancelled)
+    assert sweep(rt, later(rt, 30)) == []
+    assert waiting not in rt.store.in_transit(later(rt, 60), 10)
+
+
 def test_sweeps_wait_until_the_heartbeat_has_gone_through_for_a_whole_ttl(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -3,7 +3,7 @@
 -- as held, pending, by the sweeper that took it, so that a sweeper dying before it sends the
 -- stage leaves the job to the next sweep instead of stranding it.
 -- KEYS: 1 job hash, 2 held stages (sorted set), 3 the heartbeat that must be gone,
---       4 the job's pinned set on its node ('' for none)
+--       4 the job's pinned set on its node ('' for none), 5 jobs in transit (sorted set)
 -- ARGV: 1 terminal statuses (comma-separated), 2 the mark's task id as seen ('' for none, or
 --       for a stage only reserved by a worker that died before beginning it),
 --       3 the attempt as seen, 4 the task id of the stage to send, 5 where the sweeper runs
@@ -22,6 +22,7 @@ redis.call('HSET', KEYS[1], 'active', ARGV[4], 'active_at', ARGV[5], 'active_own
            'active_since', ARGV[7], 'active_pending', '1')
 redis.call('HDEL', KEYS[1], 'reserved', 'reserved_owner', 'reserved_since')
 redis.call('ZADD', KEYS[2], ARGV[7], h[4])
+redis.call('ZREM', KEYS[5], h[4])
 if ARGV[8] == '1' then
   redis.call('HDEL', KEYS[1], 'sandbox', 'sandbox_released', 'context')
   if KEYS[4] ~= '' then redis.call('SREM', KEYS[4], h[4]) end

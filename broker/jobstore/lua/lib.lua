@@ -66,6 +66,7 @@ local function draw(p, bid, now)
                  'task_ids', tids, 'created_at', now, 't_queued', now)
       if ttl > 0 then redis.call('EXPIRE', jkey, ttl) end
       redis.call('ZADD', bkey .. ':unsent', now, jid)
+      redis.call('ZADD', p .. 'transit', now, jid)
       ids[#ids + 1] = jid
       out[#out + 1] = jid
     end

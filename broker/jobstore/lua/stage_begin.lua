@@ -1,7 +1,8 @@
 -- A stage may begin only while its job is live, and only from the job's current attempt:
 -- mark it running, by whom and since when (in place of its reservation), and index it among
 -- the held stages.
--- KEYS: 1 job hash, 2 held stages (sorted set: job id by the time its stage began)
+-- KEYS: 1 job hash, 2 held stages (sorted set: job id by the time its stage began),
+--       3 jobs in transit (sorted set)
 -- ARGV: 1 task id, 2 where (host|pid|start time), 3 terminal statuses (comma-separated),
 --       4 owner (the heartbeat id of the worker holding it, '' for none), 5 now,
 --       6 the attempt the stage message belongs to ('' to skip the check)
@@ -16,5 +17,7 @@ end
 redis.call('HSET', KEYS[1], 'active', ARGV[1], 'active_at', ARGV[2], 'active_owner', ARGV[4],
            'active_since', ARGV[5])
 redis.call('HDEL', KEYS[1], 'active_pending', 'reserved', 'reserved_owner', 'reserved_since')
-redis.call('ZADD', KEYS[2], ARGV[5], redis.call('HGET', KEYS[1], 'job_id'))
+local jid = redis.call('HGET', KEYS[1], 'job_id')
+redis.call('ZADD', KEYS[2], ARGV[5], jid)
+redis.call('ZREM', KEYS[3], jid)
 return 1
