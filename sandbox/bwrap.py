@@ -273,7 +273,9 @@ def filesystem_args(
         if directory not in made and directory not in expand:
             made.add(directory)
             args += ["--perms", "0755", "--dir", directory]
-    for m in mounts:
+    # Outer mount points first: a bind under another one (the service's Python in a checkout
+    # under /tmp, below the box's own /tmp) must come after it, or it is covered.
+    for m in sorted(mounts, key=lambda m: len(_components(m.inside))):
         args += ["--bind" if m.writable else "--ro-bind", m.source, m.inside]
     # A hidden path a mount brings (back) into view, like the state root under a bound
     # source tree, is covered where it appears, after the mounts.

@@ -75,6 +75,7 @@ def test_the_json_line_is_strict_json_on_one_line() -> None:
 def test_every_benchmark_main_ends_by_printing_its_json() -> None:
     """`make bench` runs bench/*.py: each is a benchmark whose `main` prints the JSON last."""
     assert [p.name for p in BENCHMARKS] == [
+        "chaos.py",
         "dapo.py",
         "pipeline.py",
         "routing.py",
@@ -352,3 +353,48 @@ def test_tokens_records_a_failed_retokenizing_baseline(
     assert first["drift_trajectories_pct"] == 0.0 and "retokenized" not in first
     assert second["retokenized"] == {"failed": "TimeoutError: no answer within 30 s"}
     assert "drift_tokens" not in second and second["record_differing_sequences"] == 0
+
+
+# ----------------------------------------------------------------------------- chaos
+
+
+def chaos_figures(lost: int = 0, duplicated: int = 0, recover_s: float = 20.0) -> dict[str, Any]:
+    return {
+        "submitted": 16, "completed": 16 - lost, "failed": 0, "errors": {},
+        "duplicated": duplicated, "lost": lost, "recover_s": recover_s, "batch_s": 30.0,
+    }  # fmt: skip
+
+
+def test_chaos_records_faults_it_cannot_stage_and_judges_the_aims(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chaos = bench("chaos")
+    monkeypatch.setattr(chaos, "make_tiny_model", lambda path: path)
+    outcomes = {
+        "none": chaos_figures(recover_s=3.0) | {"batch_s": 10.0},
+        "redis_killed": chaos_figures(recover_s=12.0),
+        "pool_child_killed": chaos_figures(lost=1),
+    }
+
+    def fake_measure(fault: Any, *_: Any) -> dict[str, Any]:
+        if fault.name == "backend_killed":
+            raise RuntimeError("the stack did not come up")
+        return dict(outcomes[fault.name])
+
+    monkeypatch.setattr(chaos, "measure", fake_measure)
+    monkeypatch.setattr(chaos.NodeLost, "unavailable", lambda self: "bubblewrap is missing")
+    only = "redis_killed,backend_killed,node_lost"
+    assert chaos.main(["--quick", "--only", only]) == 0
+    result = last_json(capsys.readouterr().out)
+    faults = result["faults"]
+    assert faults["redis_killed"]["slowdown"] == 3.0  # 30 s against the baseline's 10 s
+    assert faults["backend_killed"] == {"failed": "RuntimeError: the stack did not come up"}
+    assert faults["node_lost"] == {"skipped": "bubblewrap is missing"}
+    assert result["all_met"] is False  # a fault that could not be staged did not meet them
+    assert chaos.main(["--only", "redis_killed"]) == 0
+    assert last_json(capsys.readouterr().out)["all_met"] is True
+    assert chaos.main(["--only", "pool_child_killed"]) == 0
+    assert last_json(capsys.readouterr().out)["all_met"] is False  # one job lost
+    with pytest.raises(SystemExit):
+        chaos.main(["--only", "cosmic_rays"])
+    assert "unknown fault(s) cosmic_rays" in capsys.readouterr().err

@@ -34,6 +34,24 @@ def test_a_service_path_under_tmp_is_bound_over_the_fresh_tmp(tmp_path: Path) ->
     assert binds and tmpfs and binds[0] > tmpfs[0]
 
 
+def test_a_service_path_under_tmp_is_bound_over_the_boxs_own_tmp_disk(tmp_path: Path) -> None:
+    # With a disk of its own the box's /tmp is a bind, not bwrap's tmpfs: the service's
+    # Python below it must still be bound after it, whatever order the mounts came in.
+    venv = tmp_path / "checkout" / ".venv"
+    disk_tmp = tmp_path / "disk" / "tmp"
+    for path in (venv, disk_tmp):
+        path.mkdir(parents=True)
+    mounts = [Mount(str(venv), str(venv)), Mount(str(disk_tmp), "/tmp", writable=True)]
+    args = filesystem_args(None, mounts)
+    own_tmp = args.index(str(disk_tmp))
+    python = next(
+        i for i in range(len(args) - 2) if args[i : i + 3] == ["--ro-bind", str(venv), str(venv)]
+    )
+    assert args[own_tmp - 1 : own_tmp + 2] == ["--bind", str(disk_tmp), "/tmp"]
+    assert python > own_tmp
+    assert ["--tmpfs", "/tmp"] not in [args[i : i + 2] for i in range(len(args) - 1)]
+
+
 def test_a_service_path_visible_anyway_is_not_bound_again() -> None:
     args = filesystem_args(None, [Mount("/usr/lib", "/usr/lib")])
     assert args[-3:] != ["--ro-bind", "/usr/lib", "/usr/lib"]
