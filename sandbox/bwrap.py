@@ -274,8 +274,15 @@ def filesystem_args(
             made.add(directory)
             args += ["--perms", "0755", "--dir", directory]
     # Outer mount points first: a bind under another one (the service's Python in a checkout
-    # under /tmp, below the box's own /tmp) must come after it, or it is covered.
+    # under /tmp, below the box's own /tmp) must come after it, or it is covered. In a fresh
+    # /tmp or /dev the directories on the way to a mount point are made traversable first
+    # (bwrap would make them with the keeper's umask, out of the box user's reach).
     for m in sorted(mounts, key=lambda m: len(_components(m.inside))):
+        if fresh(m.inside):
+            for directory in _components(m.inside)[1:-1]:
+                if directory not in made and directory not in mount_points:
+                    made.add(directory)
+                    args += ["--perms", "0755", "--dir", directory]
         args += ["--bind" if m.writable else "--ro-bind", m.source, m.inside]
     # A hidden path a mount brings (back) into view, like the state root under a bound
     # source tree, is covered where it appears, after the mounts.

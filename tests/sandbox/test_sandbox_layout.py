@@ -49,6 +49,12 @@ def test_a_service_path_under_tmp_is_bound_over_the_boxs_own_tmp_disk(tmp_path: 
     )
     assert args[own_tmp - 1 : own_tmp + 2] == ["--bind", str(disk_tmp), "/tmp"]
     assert python > own_tmp
+    # the directories on the way are made traversable (not with the keeper's umask)
+    on_the_way = [str(p) for p in reversed(venv.parents) if str(p).startswith("/tmp/")]
+    for directory in on_the_way:
+        made = args.index(directory)
+        assert args[made - 3 : made + 1] == ["--perms", "0755", "--dir", directory]
+        assert own_tmp < made < python
     assert ["--tmpfs", "/tmp"] not in [args[i : i + 2] for i in range(len(args) - 1)]
 
 
