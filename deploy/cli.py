@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.celery_app import QUEUES
 from core.settings import Settings, get_settings
+from deploy.engine import ENGINES
 
 if TYPE_CHECKING:
     from deploy.stack import Stack
@@ -46,7 +47,15 @@ def _parse_backend(value: str) -> dict[str, str]:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from deploy.engine import VllmOptions, usable_vllm
     from deploy.stack import DevBackendOptions, Stack, StackOptions
+
+    if args.engine == "vllm" and args.script is not None:
+        print("rollserve up: --script is for the development server, not vLLM", file=sys.stderr)
+        return 2
+    if args.model is not None and not (args.model / "config.json").is_file():
+        print(f"rollserve up: --model {args.model}: no config.json there", file=sys.stderr)
+        return 2
 
     options = StackOptions(
         workers={"init": args.init_workers, "run": args.run_workers, "eval": args.eval_workers},
@@ -56,7 +65,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         flower_address=args.flower_address,
         gateway_port=args.port,
     )
-    if not args.backend or args.dev_backend:
+    if args.engine == "vllm":
+        try:
+            usable_vllm()  # before anything starts
+        except RuntimeError as exc:
+            print(f"rollserve up: {exc}", file=sys.stderr)
+            return 1
+        options.vllm = VllmOptions(model_dir=args.model)
+    if (not args.backend and args.engine == "dev") or args.dev_backend:
         options.dev_backend = DevBackendOptions(
             model_dir=args.model,
             script=args.script,
@@ -77,6 +93,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"redis        {redact_url(stack.redis_url)}{'  (embedded)' if stack.redis else ''}")
         if stack.dev_backend_url:
             print(f"dev backend  {stack.dev_backend_url}  (stand-in for vLLM)")
+        if stack.vllm_url:
+            print(
+                f"vllm         {stack.vllm_url}  (log: {settings.data_dir / 'logs' / 'vllm.log'})"
+            )
         if args.flower:
             auth = "  (user rollserve, the API token)" if settings.api_token else ""
             print(f"flower       http://{args.flower_address}:{args.flower_port}{auth}")
@@ -277,7 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="register a real vLLM server (repeatable); no dev backend then",
     )
     up.add_argument("--dev-backend", action="store_true", help="also start the development server")
-    up.add_argument("--model", type=Path, default=None, help="model dir for the development server")
+    up.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="dev",
+        help="the inference server to start: the development server (default), or a real vLLM "
+        "from its own virtualenv (`make vllm`; a minute or two to start on a CPU)",
+    )
+    up.add_argument(
+        "--model", type=Path, default=None, help="model dir to serve (default: the tiny model)"
+    )
     up.add_argument("--script", type=Path, default=None, help="scripted completions (JSONL)")
     for queue in QUEUES:
         up.add_argument(f"--{queue}-workers", type=int, default=1, metavar="N",

@@ -25,6 +25,7 @@ from broker.celery_app import QUEUES, worker_queues
 from broker.embedded import EmbeddedRedis, redact_url, write_private_file
 from broker.processes import free_port, spawn, stop_group, wait_for_port
 from core.settings import Settings
+from deploy.engine import VllmOptions, usable_vllm, vllm_argv, vllm_env, wait_served
 from deploy.supervisor import Backoff, Supervisor
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class StackOptions:
     workers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QUEUES, 1))
     """Worker processes (prefork concurrency) per queue."""
     dev_backend: DevBackendOptions | None = None
+    vllm: VllmOptions | None = None
+    """A real vLLM server to start, wait for and register (`rollserve up --engine vllm`)."""
     backends: list[dict[str, str]] = field(default_factory=list)
     """Real inference servers to register: {"url", "model", "kind"}."""
     flower: bool = False
@@ -96,6 +99,7 @@ class Stack:
         self.redis_url = settings.redis_url or ""
         self.gateway_url = ""
         self.dev_backend_url = ""
+        self.vllm_url = ""
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.worker_names: dict[str, str] = {}
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
@@ -132,6 +136,8 @@ class Stack:
             self._check_flower_exposure()
         if self.options.dev_backend is not None:
             self._start_dev_backend(self.options.dev_backend)
+        if self.options.vllm is not None:
+            self._start_vllm(self.options.vllm)
         for queue, concurrency in self.options.workers.items():
             if concurrency > 0:
                 self.start_worker(queue, concurrency)
@@ -182,10 +188,17 @@ class Stack:
         return env
 
     def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        whole_env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
+        """Start a child `name` (logging to `logs/NAME.log`) with the stack's environment plus
+        `env`, or exactly `whole_env` (a program of another virtualenv)."""
         log_path = self.data_dir / "logs" / f"{name}.log"
-        full_env = {**self.child_env(), **(env or {})}
+        full_env = whole_env if whole_env is not None else {**self.child_env(), **(env or {})}
         proc = spawn(argv, env=full_env, log_path=str(log_path))
         with self._children_lock:
             self.children[name] = proc
@@ -238,6 +251,23 @@ class Stack:
         self.options.backends.insert(
             0, {"url": self.dev_backend_url, "model": model, "kind": "vllm", "id": "dev"}
         )
+
+    def _start_vllm(self, opts: VllmOptions) -> None:
+        """Start a real vLLM on loopback from its own virtualenv, wait until it serves (a
+        minute or two on a CPU), and add it to the backends to register."""
+        status = usable_vllm(opts.venv)
+        model_dir = opts.model_dir
+        if model_dir is None:
+            from routing.devserver.tiny import make_tiny_model
+
+            model_dir = make_tiny_model(self.settings.tiny_model_dir)
+        port = opts.port or free_port()
+        name = model_dir.name
+        argv = vllm_argv(status, model_dir, port, name, opts.max_model_len, opts.extra_args)
+        proc = self._spawn("vllm", argv, whole_env=vllm_env(self.data_dir / "vllm"))
+        self.vllm_url = f"http://127.0.0.1:{port}"
+        wait_served(self.vllm_url, proc, self.data_dir / "logs" / "vllm.log", opts.ready_timeout)
+        self.options.backends.insert(0, {"url": self.vllm_url, "model": name, "kind": "vllm"})
 
     def start_worker(
         self,

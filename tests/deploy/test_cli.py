@@ -139,3 +139,23 @@ def test_ctrl_c_stops_everything_up_started(up: Up) -> None:
     os.killpg(up.proc.pid, signal.SIGINT)
     assert up.proc.wait(timeout=60) == 0
     wait_until(lambda: processes_mentioning(str(up.data_dir)) == [], 10, "every child to exit")
+
+
+def test_up_with_a_bad_engine_setup_says_what_is_wrong_and_starts_nothing(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    data = tmp_path / "data"
+    env = cli_env(data, tiny_model_dir, free_port())
+    env["ROLLSERVE_VLLM_VENV"] = str(tmp_path / "no-vllm")
+    script = rollserve(["up", "--engine", "vllm", "--script", "s.jsonl"], env)
+    assert script.returncode == 2
+    assert "--script is for the development server" in script.stderr
+    model = rollserve(["up", "--model", str(tmp_path)], env)
+    assert model.returncode == 2
+    assert f"--model {tmp_path}: no config.json there" in model.stderr
+    missing = rollserve(["up", "--engine", "vllm", "--model", str(tiny_model_dir)], env)
+    assert missing.returncode == 1
+    assert "cannot start vLLM" in missing.stderr and "make vllm" in missing.stderr
+    assert processes_mentioning(str(data)) == []
+    engine = rollserve(["up", "--engine", "sglang"], env)
+    assert engine.returncode == 2 and "invalid choice: 'sglang'" in engine.stderr

@@ -1,10 +1,10 @@
 """The default stack works: `rollserve up` with the development server and the tiny model.
 
-The tiny Qwen3, like the released Qwen models, has an output layer of 151,936 ids while its
-tokenizer defines 151,669. The development server never samples the ids past the tokenizer
-(their logits are masked, the logprobs renormalised), and a backend that does return one (a real
-server with a padded output layer) ends the episode with `stop_reason` `invalid_token` instead of
-failing the job when the next prompt is refused.
+The released Qwen models have an output layer of 151,936 ids while their tokenizer defines
+151,669; the tiny Qwen3 has exactly the tokenizer's ids. With any model the development server
+never samples an id past the tokenizer (their logits are masked, the logprobs renormalised),
+and a backend that does return one (a real server with a padded output layer) ends the episode
+with `stop_reason` `invalid_token` instead of failing the job when the next prompt is refused.
 """
 
 from __future__ import annotations
@@ -34,20 +34,27 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_SIZE = 151669
-"""Ids the tiny model's tokenizer defines (151,643 BPE ranks and 26 added tokens)."""
+"""Ids the Qwen tokenizer defines (151,643 BPE ranks and 26 added tokens)."""
+PADDED_WIDTH = 151936
+"""The output layer of the released Qwen models, padded past the tokenizer."""
 PADDED_ID = 151889
-"""An id of the tiny model's output layer that its tokenizer does not define."""
+"""An id of a padded output layer that the tokenizer does not define."""
 IM_END = 151645
 
 
 # ----------------------------------------------------------------------------- the dev server
 
 
-def test_the_tiny_model_is_padded_past_its_tokenizer(
+def test_the_tiny_models_output_layer_has_exactly_its_tokenizers_ids(
     tiny_model_dir: Path, tiny_tokenizer: Any
 ) -> None:
+    from safetensors import safe_open
+
     config = json.loads((tiny_model_dir / "config.json").read_text())
-    assert len(tiny_tokenizer) == TOKENIZER_SIZE < PADDED_ID < config["vocab_size"]
+    assert len(tiny_tokenizer) == TOKENIZER_SIZE == config["vocab_size"]
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
+        embedding = weights.get_slice("model.embed_tokens.weight").get_shape()
+    assert embedding == [TOKENIZER_SIZE, config["hidden_size"]]
 
 
 def test_the_dev_server_samples_only_ids_its_tokenizer_defines(
@@ -92,8 +99,9 @@ def test_the_dev_server_samples_only_ids_its_tokenizer_defines(
 def test_a_model_wider_than_its_tokenizer_never_generates_the_extra_ids(
     tiny_model_dir: Path, tiny_tokenizer: Any
 ) -> None:
-    """Any model directory, not just the tiny one: here the padded ids are made the most
-    likely by far, and still none is generated."""
+    """Any model directory, not just the tiny one: here the tiny model's output layer is
+    padded to the width of the released Qwen models, the padded ids are made the most likely
+    by far, and still none is generated."""
     import torch
 
     from routing.devserver.engine import ModelEngine, Plan, SamplingParams
@@ -101,8 +109,10 @@ def test_a_model_wider_than_its_tokenizer_never_generates_the_extra_ids(
     engine = ModelEngine(tiny_model_dir)
     size = len(tiny_tokenizer)
     assert engine.vocab_size == size
+    engine.model.resize_token_embeddings(PADDED_WIDTH, mean_resizing=False)
     weight = engine.model.get_output_embeddings().weight
     width, hidden = weight.shape
+    assert width == PADDED_WIDTH
     with torch.no_grad():
         rows = torch.zeros(width - size, hidden)
         index = torch.arange(width - size)

@@ -99,6 +99,51 @@ def test_make_tiny_skips_a_complete_directory(
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_tiny_model_has_a_head_size_vllms_cpu_attention_supports(tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
+
+
+def test_an_older_tiny_model_is_not_complete_and_make_tiny_replaces_it(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory from before head_dim 32 (vLLM's CPU attention refuses head_dim 16) has
+    every file, but is rebuilt rather than served."""
+    import shutil
+
+    from routing.devserver.cli import main
+    from routing.devserver.tiny import MARKER, is_complete, is_outdated
+
+    old = tmp_path / "tiny-qwen3"
+    shutil.copytree(tiny_model_dir, old)
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "head_dim": 16}))
+    (old / MARKER).write_text(json.dumps({"kind": "tiny-qwen3", "seed": 1234}))
+    assert not is_complete(old) and is_outdated(old)
+
+    assert main(["make-tiny", str(old)]) == 0
+    assert "replacing an older tiny model" in capsys.readouterr().out
+    assert is_complete(old) and not is_outdated(old)
+    assert json.loads((old / "config.json").read_text())["head_dim"] == 32
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "tiny-qwen3"]
+    assert leftovers == []
+    # The same seed: the same weights as the session's model.
+    built = (old / "model.safetensors").read_bytes()
+    assert built == (tiny_model_dir / "model.safetensors").read_bytes()
+
+
+def test_make_tiny_refuses_a_directory_that_is_not_a_tiny_model(tmp_path: Path) -> None:
+    from routing.devserver.tiny import is_outdated, make_tiny_model
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert not is_outdated(tmp_path / "mine")
+    with pytest.raises(FileExistsError):
+        make_tiny_model(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
 def test_importing_the_server_modules_does_not_import_torch() -> None:
     code = (
         "import sys, routing.devserver, routing.devserver.app, routing.devserver.cli, "
@@ -128,8 +173,9 @@ def test_token_id_prompt_returns_token_ids_and_one_logprob_each(model_server: De
 
 
 def tokenizer_logits(logits: Any, tokenizer: Any) -> Any:
-    """`logits` with the ids the tokenizer lacks masked, as the server samples from them (the
-    tiny model's output layer is padded past its tokenizer, like Qwen's)."""
+    """`logits` with the ids the tokenizer lacks masked, as the server samples from them (a
+    model's output layer may be padded past its tokenizer, like Qwen's; the tiny model's is
+    not)."""
     masked = logits.float().clone()
     masked[..., len(tokenizer) :] = float("-inf")
     return masked

@@ -1,0 +1,104 @@
+"""A real vLLM server as a managed child of the stack (`rollserve up --engine vllm`).
+
+The server runs from the CPU build's own virtualenv (`make vllm`, `deploy.vllm_env`) with the
+flags that hold on a CPU machine: float32 weights (vLLM otherwise runs them as bf16 without a
+word), eager mode (ready in about a minute and a half instead of two and a half), prefix
+caching, and scale-out, which enables `/inference/v1/generate` (403 otherwise). Its caches and
+temporary files stay in the stack's data directory.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from deploy.vllm_env import VllmStatus, find_vllm, vllm_process_env
+
+ENGINES = ("dev", "vllm")
+"""What `rollserve up --engine` starts: the development server, or a real vLLM."""
+
+READY_TIMEOUT = 600.0
+"""Seconds a vLLM server may take to answer `/health` (64 to 93 s on an idle 2-core machine)."""
+
+
+@dataclass
+class VllmOptions:
+    """A vLLM server the stack starts, waits for and registers."""
+
+    model_dir: Path | None = None
+    """The model to serve (None: the tiny model, built when missing)."""
+    port: int | None = None
+    max_model_len: int = 2048
+    venv: Path | None = None
+    """The vLLM virtualenv (None: `deploy.vllm_env.default_venv()`)."""
+    extra_args: list[str] = field(default_factory=list)
+    ready_timeout: float = READY_TIMEOUT
+
+
+def usable_vllm(venv: Path | None = None) -> VllmStatus:
+    """The vLLM install, raising `RuntimeError` saying what to do when it cannot serve."""
+    status = find_vllm(venv)
+    if not status.usable:
+        raise RuntimeError(f"cannot start vLLM: {status.reason}")
+    return status
+
+
+def vllm_argv(
+    status: VllmStatus,
+    model_dir: Path,
+    port: int,
+    served_name: str,
+    max_model_len: int = 2048,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The command serving `model_dir` on loopback `port` as `served_name`."""
+    return [
+        str(status.executable), "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", served_name,
+        "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
+        "--max-model-len", str(max_model_len), "--enable-scale-out",
+        *(extra_args or []),
+    ]  # fmt: skip
+
+
+def vllm_env(scratch: Path) -> dict[str, str]:
+    """The server's whole environment (not the project's venv), its files under `scratch`."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    return vllm_process_env(scratch)
+
+
+def wait_served(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    """Block until the server at `url` answers `/health` with 200 and lists its model; raise
+    `RuntimeError` with the end of its log if it exits, `TimeoutError` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"vLLM exited with {proc.returncode} before serving; its log ends:\n"
+                + log_tail(log)
+            )
+        try:
+            if (
+                httpx.get(f"{url}/health", timeout=5).status_code == 200
+                and httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+            ):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(
+        f"vLLM did not answer {url}/health within {timeout:.0f}s; its log ends:\n" + log_tail(log)
+    )
+
+
+def log_tail(log: Path, lines: int = 15) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.strip().splitlines()[-lines:])
