@@ -20,7 +20,8 @@ quarter of the batch has finished, with work in every stage, the fault strikes:
 Per fault: jobs submitted, completed, failed (with error types), duplicated (a job's end
 recorded or streamed more than once), lost (not ended by the deadline, 240 s after the
 fault), and seconds to recover: from the fault's end until the stack answers again (gateway
-healthy, Redis reachable) and every job that was in a stage at the fault has ended. The
+healthy, Redis reachable) and every job a stage of which was running at the fault has ended
+(jobs waiting in a queue are not counted: their wait is the backlog's, fault or not). The
 baseline is the same batch with no fault, measured in the same run: `slowdown` is the
 batch's time under the fault over its time without. Aims: 0 lost and 0 duplicated in every
 case, recovery under 60 s.
@@ -132,6 +133,13 @@ class Lab:
             j: (s.decode() if s else None) for j, s in zip(self.jobs, pipe.execute(), strict=True)
         }
 
+    def running(self) -> list[str]:
+        """The jobs a stage of which is running now (marked by a worker)."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in self.jobs:
+            pipe.hget(f"rs:job:{job_id}", "active")
+        return [j for j, active in zip(self.jobs, pipe.execute(), strict=True) if active]
+
     def read_stream(self) -> None:
         try:
             for line in self.client.iter_batch_lines(self.batch_id, resume_for=DEADLINE_S):
@@ -179,7 +187,7 @@ def measure(fault: Fault, work: Path, model: Path, quick: bool) -> dict[str, Any
         reader = threading.Thread(target=lab.read_stream, name="trainer", daemon=True)
         reader.start()
         wait_for(lambda: fault.ready(lab), 120, "work in flight to strike at")
-        in_flight = [j for j, s in lab.statuses().items() if s in LIVE]
+        in_flight = lab.running()
         struck = time.monotonic()
         lifted = fault.strike(lab)
         lifted_wall = time.time() - (time.monotonic() - lifted)

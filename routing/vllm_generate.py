@@ -2,13 +2,20 @@
 
 The request and answer follow vLLM's `GenerateRequest` / `GenerateResponse`
 (vllm-project/vllm, `vllm/entrypoints/serve/disagg/protocol.py`, served by
-`vllm/entrypoints/serve/disagg/api_router.py` and `serving.py`):
+`vllm/entrypoints/serve/disagg/api_router.py` and `serving.py`; in vLLM 0.32 they live in
+`vllm/entrypoints/scale_out/token_in_token_out/`):
 
     request  {"model", "token_ids", "sampling_params": {...vLLM SamplingParams...},
-              "stream": false, "request_id"?, "cache_salt"?}
+              "stream": false, "return_token_ids": true, "request_id"?, "cache_salt"?}
     answer   {"request_id", "choices": [{"index", "token_ids", "finish_reason",
-              "logprobs": {"content": [{"token": "token_id:<id>", "logprob", ...}]}}],
-              "usage"?: {"prompt_tokens", ...}, "prompt_logprobs", "kv_transfer_params"}
+              "logprobs": {"content": [{"token_id" | "token": "token_id:<id>", "logprob",
+              ...}]}}], "prompt_token_ids", "usage"?: {"prompt_tokens", ...}, ...}
+
+With `return_token_ids` the answer echoes the prompt as the engine received it
+(`prompt_token_ids`), which is checked against the ids sent. A cancelled request is aborted
+twice over: its connection closes (the route is wrapped in vLLM's `with_cancellation`) and
+`POST /inference/v1/abort_requests` names it, with the `generate-tokens-` prefix vLLM gives
+every request of this route (a bare id silently aborts nothing).
 
 The answer has no text and no `stop_reason`: the text is asked of `/detokenize` (one more
 request, special tokens kept), and the stop string is recovered from it. Tokenization, context
@@ -19,10 +26,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from routing.protocol import Completion, normalize_finish_reason
-from routing.vllm import BackendError, OutOfVocabularyError, VLLMClient, request_id_header
+from routing.vllm import (
+    BackendError,
+    OutOfVocabularyError,
+    VLLMClient,
+    _error_message,
+    request_id_header,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+REQUEST_PREFIX = "generate-tokens-"
+"""What vLLM puts before the id of every request of `/inference/v1/generate`."""
+ABORT_TIMEOUT = 5.0
+"""Seconds an abort may take (one attempt: the request's connection is closed anyway)."""
 
 
 def matched_stop(text: str, stop: list[str] | None) -> str | None:
@@ -42,10 +62,10 @@ def matched_stop(text: str, stop: list[str] | None) -> str | None:
 class VLLMGenerateClient(VLLMClient):
     """Client of a vLLM server's `POST /inference/v1/generate` (tokens in, tokens out).
 
-    Same interface and transport as `VLLMClient`. Abort: as for `VLLMClient`, vLLM aborts a
-    request whose connection closes (the route is wrapped in `with_cancellation`), so
-    cancelling the awaiting task is the abort; vLLM's `/abort_requests` exists only in its
-    `--tokens-only` mode and is not used.
+    Same interface and transport as `VLLMClient`. Abort: vLLM aborts a request whose
+    connection closes (the route is wrapped in `with_cancellation`), so cancelling the
+    awaiting task aborts it; `abort` also names it to `/inference/v1/abort_requests` (served
+    with the route itself, under `--enable-scale-out`).
     """
 
     async def complete(
@@ -87,6 +107,7 @@ class VLLMGenerateClient(VLLMClient):
             "token_ids": prompt_ids,
             "sampling_params": sampling,
             "stream": False,
+            "return_token_ids": True,
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
@@ -103,6 +124,19 @@ class VLLMGenerateClient(VLLMClient):
             stop_reason=matched_stop(text, stop) if reason == "stop" else None,
             prompt_tokens=prompt_tokens,
         )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort the request sent with `request_id` through `/inference/v1/abort_requests`,
+        as vLLM names it (`generate-tokens-<id>`); one attempt. vLLM answers 200 whether or
+        not such a request runs. Raises `BackendError` when the server does not accept it."""
+        url = f"{self.base_url}{ABORT_PATH}"
+        body = {"request_ids": [f"{REQUEST_PREFIX}{request_id}"]}
+        try:
+            response = await self._http.post(url, json=body, timeout=ABORT_TIMEOUT)
+        except httpx.HTTPError as e:
+            raise BackendError(f"abort: {type(e).__name__}: {e}", url=url) from e
+        if response.status_code >= 400:
+            raise BackendError(_error_message(response), status=response.status_code, url=url)
 
     async def _text_of(self, ids: list[int]) -> str:
         """The text of generated `ids` by `/detokenize`. Ids the server refuses as outside its
@@ -140,13 +174,24 @@ class VLLMGenerateClient(VLLMClient):
             logprob = entry.get("logprob") if isinstance(entry, dict) else None
             if logprob is None:
                 raise BackendError("answer has a null logprob", url=url)
+            # vLLM 0.32 names the id (`token_id`), earlier ones spelled it (`token`).
             token = entry.get("token")
             expected = f"token_id:{token_id}"
-            if isinstance(token, str) and token.startswith("token_id:") and token != expected:
+            named = entry.get("token_id")
+            if (isinstance(token, str) and token.startswith("token_id:") and token != expected) or (
+                isinstance(named, int) and named != token_id
+            ):
                 raise BackendError(
-                    f"logprob entry {token!r} does not match token id {token_id}", url=url
+                    f"logprob entry {token or named!r} does not match token id {token_id}",
+                    url=url,
                 )
             logprobs.append(float(logprob))
+        echoed = data.get("prompt_token_ids")
+        if isinstance(echoed, list) and echoed != prompt_ids:
+            raise BackendError(
+                f"the server changed the prompt ids ({len(prompt_ids)} sent, {len(echoed)} echoed)",
+                url=url,
+            )
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or len(prompt_ids))
         reason = normalize_finish_reason(choice.get("finish_reason"))

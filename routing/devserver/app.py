@@ -3,15 +3,16 @@
 vLLM's OpenAI-compatible server: `POST /v1/completions`, `POST /tokenize`, `POST /detokenize`,
 `GET /v1/models`, `GET /health`, `GET /metrics` and `GET /version`, with vLLM's field names,
 defaults, validation messages and error bodies; vLLM's tokens-in/tokens-out
-`POST /inference/v1/generate`. SGLang's native API: `POST /generate` and
-`POST /abort_request` (SGLang's `/tokenize`, `/v1/models` and `/health` are the routes above;
-`/detokenize` answers both dialects: `text` to a request with SGLang's `skip_special_tokens`,
-`prompt` otherwise, as vLLM).
+`POST /inference/v1/generate` and its `POST /inference/v1/abort_requests`. SGLang's native
+API: `POST /generate` and `POST /abort_request` (SGLang's `/tokenize`, `/v1/models` and
+`/health` are the routes above; `/detokenize` answers both dialects: `text` to a request with
+SGLang's `skip_special_tokens`, `prompt` otherwise, as vLLM).
 
 One completion runs on the engine at a time, in a worker thread, so the event loop keeps
 answering (health checks, tokenization, metrics, aborts) while a model call runs. As in vLLM,
 a client that disconnects aborts its request; SGLang's `/abort_request` aborts the request
-with that `rid`. Either stops the generation before its next token and is counted in
+with that `rid`, vLLM's `/inference/v1/abort_requests` those it names (`generate-tokens-<id>`).
+Either stops the generation before its next token and is counted in
 `vllm:request_success_total{finished_reason="abort"}`. A scripted delay counts as waiting.
 """
 
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 from routing.devserver.engine import Engine
 from routing.devserver.protocol import (
     AbortRequest,
+    AbortRequestsRequest,
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
@@ -136,6 +138,14 @@ def create_app(engine: Engine) -> FastAPI:
     async def abort_request(request: Request) -> Response:
         req: AbortRequest = await _parse(request, AbortRequest)
         server.abort(req.rid, abort_all=req.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/inference/v1/abort_requests")
+    async def abort_requests(request: Request) -> Response:
+        # vLLM's (served with /inference/v1/generate): ids as that route names its requests.
+        req: AbortRequestsRequest = await _parse(request, AbortRequestsRequest)
+        for request_id in req.request_ids:
+            server.abort(request_id)
         return Response(status_code=200)
 
     @app.post("/tokenize")

@@ -123,6 +123,7 @@ class GenerateRequest(_Lenient):
     stream: bool | None = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     priority: int = 0
+    return_token_ids: bool | None = None
 
 
 class SGLangSamplingParams(_Lenient):
@@ -163,6 +164,12 @@ class AbortRequest(_Lenient):
 
     rid: str = ""
     abort_all: bool = False
+
+
+class AbortRequestsRequest(_Lenient):
+    """Body of vLLM's `POST /inference/v1/abort_requests`."""
+
+    request_ids: list[str]
 
 
 class RequestError(Exception):

@@ -416,6 +416,7 @@ class DevServer:
             "request_id": request_id,
             "model": self.engine.served_model_name,
             "created": int(time.time()),
+            "prompt_token_ids": prompt if req.return_token_ids else None,
             "choices": [
                 {
                     "index": 0,

@@ -69,6 +69,10 @@ def test_finish_is_recorded_exactly_once(store: JobStore) -> None:
     assert store.status_counts()["completed"] == 1
     assert store.status_counts()["run"] == 0
     assert store.r.xlen("t:batch:b1:done") == 1
+    # the stream of ends lives as long as its batch, and the ended job waits for no stage
+    assert 0 < store.r.ttl("t:batch:b1:done") <= store.r.ttl("t:batch:b1")
+    assert store.r.zscore(store.transit_key, job) is None
+    assert store.r.zscore(store.transit_key, specs[1].job_id) is not None
 
 
 def test_no_transition_or_partial_save_after_the_end(store: JobStore) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -310,7 +311,7 @@ async def test_cancelling_a_vllm_request_aborts_it_on_the_server(
         await wait_until_async(
             lambda: in_flight(devserver_script) > busy0, 30, "the request to arrive"
         )
-        # vLLM has no abort route: closing the connection is the abort.
+        # Closing the connection is the abort (`generate` also names it to abort_requests).
         await client.abort(f"held-{api}")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -345,6 +346,64 @@ async def test_sglang_abort_request_stops_the_named_request(
         await client.abort("no-such-request")  # best effort: nothing to abort, no error
     finally:
         await client.aclose()
+
+
+async def test_generate_abort_names_the_request_as_vllm_does(
+    devserver_script: DevBackend, tiny_model_dir: Path
+) -> None:
+    # vLLM names a request of /inference/v1/generate `generate-tokens-<id>`; its
+    # /inference/v1/abort_requests needs that name (a bare id silently aborts nothing).
+    client = open_client(devserver_script, "generate", tiny_model_dir)
+    try:
+        prompt = await ask(client, "Hold the line (generate abort)")
+        aborted0, busy0 = abort_count(devserver_script), in_flight(devserver_script)
+        task = asyncio.create_task(client.complete(prompt, max_tokens=16, request_id="held-gen"))
+        await wait_until_async(
+            lambda: in_flight(devserver_script) > busy0, 30, "the request to arrive"
+        )
+        await client.abort("held-gen")  # the connection stays open: only the route aborts
+        done = await asyncio.wait_for(task, 30)
+        assert done.finish_reason == "abort"
+        assert abort_count(devserver_script) == aborted0 + 1
+        await client.abort("no-such-request")  # nothing to abort: 200, no error
+    finally:
+        await client.aclose()
+
+
+async def test_generate_client_sends_the_abort_and_checks_the_echoed_prompt() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/inference/v1/abort_requests":
+            return httpx.Response(200)
+        assert body["return_token_ids"] is True
+        return httpx.Response(
+            200,
+            json={
+                "prompt_token_ids": [*body["token_ids"], 9],  # not what was sent
+                "choices": [
+                    {
+                        "token_ids": [5],
+                        "finish_reason": "length",
+                        "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}]},
+                    }
+                ],
+            },
+        )
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    client = VLLMGenerateClient("http://vllm:8000", "m", http=http, retries=0)
+    try:
+        await client.abort("job-1-2")
+        assert seen == [
+            ("/inference/v1/abort_requests", {"request_ids": ["generate-tokens-job-1-2"]})
+        ]
+        with pytest.raises(BackendError, match="changed the prompt ids"):
+            await client.complete([1, 2, 3], max_tokens=1, fit_context=False)
+    finally:
+        await http.aclose()
 
 
 async def test_sglang_abort_of_a_generating_request_keeps_what_was_generated(

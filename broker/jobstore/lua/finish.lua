@@ -20,6 +20,7 @@ redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 local job_id = redis.call('HGET', KEYS[1], 'job_id')
 if nonempty(held[5]) then redis.call('SREM', p .. 'tenant:' .. held[5] .. ':live', job_id) end
 redis.call('ZADD', KEYS[4], now, job_id)
+redis.call('ZREM', p .. 'transit', job_id)
 redis.call('RPUSH', KEYS[8], ARGV[1])
 redis.call('EXPIRE', KEYS[8], 600)
 local out = {1, ''}
@@ -38,6 +39,7 @@ if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
     redis.call('HINCRBY', KEYS[5], 'reward_n', 1)
   end
   redis.call('XADD', KEYS[6], '*', 'job_id', job_id)
+  keep(p, bid, KEYS[6])
   local finished = redis.call('HINCRBY', KEYS[7], 'finished', 1)
   if redis.call('TTL', KEYS[7]) < ttl then redis.call('EXPIRE', KEYS[7], ttl) end
   if ARGV[4] ~= '' then redis.call('HSET', KEYS[7], 'r:' .. job_id, ARGV[4]) end
