@@ -50,6 +50,11 @@ ClientsOf = Callable[[Backend], tuple[Any, ChatTemplater]]
 """The inference client and templater of a backend (kept per worker process)."""
 
 
+POLL_SECONDS = 0.25
+"""How often a running request checks that its job is still live: a cancel reaches the engine
+within about this long (one Redis read per request in flight each time)."""
+
+
 class RoutedPolicy:
     """Policy client and templater of one job, routed through the backend pool."""
 
@@ -64,7 +69,7 @@ class RoutedPolicy:
         final: Iterable[str] = (),
         backend_wait: float = 600.0,
         failovers: int = 3,
-        poll: float = 0.5,
+        poll: float = POLL_SECONDS,
     ) -> None:
         self.pool = pool
         self.job_id = job_id

@@ -104,7 +104,7 @@ def vllm_server(
         # The first requests warm the engine up (about 25 s on an idle machine): the ones
         # rollserve sends (a chat rendered by /tokenize, a seeded completion with logprobs),
         # before any test.
-        timings = asyncio.run(_warm_up(url, model))
+        timings = asyncio.run(warm_up(url, model))
         warm = sum(timings.values())
         print(
             f"\nvLLM served after {ready:.0f}s; warm-up "
@@ -115,7 +115,7 @@ def vllm_server(
         stop_group(proc, timeout=30)
 
 
-async def _warm_up(url: str, model: str) -> dict[str, float]:
+async def warm_up(url: str, model: str) -> dict[str, float]:
     """Seconds each of rollserve's first requests took."""
     timings: dict[str, float] = {}
     began = time.monotonic()

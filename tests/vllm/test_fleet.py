@@ -1,0 +1,150 @@
+"""The fleet on real engines: a weight update (drain, then resume with a new policy version)
+in the middle of a job, and a second vLLM server killed mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from api.client import RolloutClient
+from broker.processes import free_port, spawn, stop_group
+from core.schemas import JobStatus, ModelTurn, Trajectory
+from deploy.engine import vllm_argv, vllm_env, wait_served
+from deploy.stack import Stack
+from deploy.vllm_env import VllmStatus
+from routing.pool import BackendPool
+from tests.support.wait import wait_until
+from tests.vllm.conftest import (
+    READY_TIMEOUT,
+    VllmServer,
+    engine_metrics,
+    registered,
+    warm_up,
+)
+
+pytestmark = pytest.mark.vllm
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 48, "seed": 3}
+
+
+def math_task(n: int) -> dict[str, str]:
+    return {
+        "data_source": "math",
+        "instance_id": f"fleet-{n}",
+        "problem": f"Fleet {n}: what is {n} + {n}? Think it through step by step first.",
+        "answer": str(2 * n),
+    }
+
+
+def model_turns(traj: Trajectory) -> list[ModelTurn]:
+    return [t for t in traj.turns if isinstance(t, ModelTurn)]
+
+
+def test_a_weight_update_mid_job_waits_then_records_the_new_version(
+    stack: Stack, vllm_server: VllmServer
+) -> None:
+    with (
+        registered(
+            stack, vllm_server.url, vllm_server.model, api="completions", backend_id="update",
+            policy_version=1,
+        ),
+        RolloutClient(stack.gateway_url, timeout=120) as client,
+    ):  # fmt: skip
+        job_id = client.submit_rollout(math_task(1), sampling=SAMPLING, agent={"max_turns": 8})
+        assert isinstance(job_id, str)
+        wait_until(
+            lambda: len(model_turns(client.get_rollout(job_id))) >= 1, 120, "a first model turn"
+        )
+        drained = client.drain_backend(None, wait=120)
+        assert isinstance(drained, list) and all(b.idle for b in drained), drained
+        # Drained: the job waits between turns and the engine gets nothing new.
+        time.sleep(1.0)  # the last turn's partial trajectory is saved just after its request
+        before = engine_metrics(vllm_server.url).get("vllm:generation_tokens_total", 0.0)
+        waited = len(model_turns(client.get_rollout(job_id)))
+        time.sleep(3.0)
+        assert client.get_rollout(job_id).status is JobStatus.run
+        assert len(model_turns(client.get_rollout(job_id))) == waited
+        assert engine_metrics(vllm_server.url).get("vllm:generation_tokens_total", 0.0) == before
+        client.resume_backend(None, policy_version=2)
+        wait_until(lambda: client.get_rollout(job_id).status.terminal, 180, "the job to end")
+        traj = client.get_rollout(job_id)
+    assert traj.status is JobStatus.completed, traj.error
+    versions = [t.policy_version for t in model_turns(traj)]
+    assert versions == sorted(versions) and set(versions) == {1, 2}, versions
+    assert versions.count(1) == waited
+    assert {t.backend_id for t in model_turns(traj)} == {"update"}
+
+
+@pytest.fixture(scope="module")
+def second_server(
+    vllm_install: VllmStatus, vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, int]]:
+    """A second vLLM serving the same model (no logits processor); yields its URL and process
+    group. The test kills it; stopping it here is for a failed test."""
+    scratch = tmp_path_factory.mktemp("vllm-second")
+    port = free_port()
+    log = scratch / "vllm.log"
+    argv = vllm_argv(vllm_install, vllm_server.model_dir, port, vllm_server.model)
+    proc = spawn(argv, env=vllm_env(scratch / "run"), log_path=str(log))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_served(url, proc, Path(log), READY_TIMEOUT)
+        asyncio.run(warm_up(url, vllm_server.model))
+        yield url, proc.pid
+    finally:
+        stop_group(proc, timeout=30)
+
+
+def test_a_server_killed_mid_batch_loses_no_job(
+    stack: Stack, vllm_server: VllmServer, second_server: tuple[str, int]
+) -> None:
+    url, group = second_server
+    extra = stack.start_worker("run", 3)
+    stack.wait_worker(extra)
+    try:
+        with (
+            registered(stack, vllm_server.url, vllm_server.model, api="completions",
+                       backend_id="keeps"),
+            registered(stack, url, vllm_server.model, api="completions", backend_id="dies"),
+            RolloutClient(stack.gateway_url, timeout=120) as client,
+        ):  # fmt: skip
+            accepted = client.submit_batch(
+                [math_task(n) for n in range(2, 8)], sampling=SAMPLING, agent={"max_turns": 3}
+            )
+
+            pool = BackendPool(redis.Redis.from_url(stack.redis_url))
+
+            def on_dies() -> set[str]:
+                return {job for job, held in pool.holders().items() if held == "dies"}
+
+            def mid_episode_on_dies() -> bool:
+                return any(
+                    "dies" in {m.backend_id for m in model_turns(client.get_rollout(job))}
+                    for job in on_dies()
+                )
+
+            wait_until(mid_episode_on_dies, 300, "a job with a turn done on the second server")
+            os.killpg(group, signal.SIGKILL)
+            stranded = on_dies()
+            wait_until(
+                lambda: client.batch_progress(accepted.batch_id).done, 600, "the batch to end"
+            )
+            results = list(client.iter_batch_results(accepted.batch_id))
+            dies = next(b for b in client.list_backends() if b.id == "dies")
+        assert sorted(t.job_id for t in results) == sorted(accepted.jobs)
+        assert {t.status for t in results} == {JobStatus.completed}, [t.error for t in results]
+        assert dies.state == "dead"
+        # The jobs that held the killed server when it died ended their episodes on the other.
+        ends = {t.job_id: [m.backend_id for m in model_turns(t)] for t in results}
+        assert stranded and all(ends[job][-1] == "keeps" for job in stranded), (stranded, ends)
+        assert any("dies" in ends[job] for job in stranded), ends  # moved mid-episode
+        print(f"\n{len(stranded)} job(s) on the killed server; turns by backend: {ends}")
+    finally:
+        stack.kill_worker(extra, signal.SIGKILL)
