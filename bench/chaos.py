@@ -152,7 +152,7 @@ def whole(lab: Lab) -> bool:
     """Whether the stack answers again: every child alive, the gateway healthy with Redis."""
     if lab.stack.redis is None or lab.stack.redis.poll() is not None:
         return False
-    if any(p.poll() is not None for p in lab.stack.children.values()):
+    if any(p.poll() is not None for p in list(lab.stack.children.values())):
         return False
     try:
         health = httpx.get(f"{lab.stack.gateway_url}/healthz", timeout=2).json()
