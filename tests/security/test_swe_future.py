@@ -52,8 +52,11 @@ class Future:
         base = task["base_commit"]
         # The gold fix and its tests stashed, then committed on a branch of their own, with
         # a note and tags.
+        # Applied to the files, then staged: `apply --index` would also compare the index's
+        # stat data, which the builder's chmod (make_readable) can leave stale.
         for patch in (task["patch"], task["test_patch"]):
-            git(repo, "apply", "--index", "-", input=patch)
+            git(repo, "apply", "-", input=patch)
+        git(repo, "add", "-A")
         git(repo, "stash", "store", "-m", "gold", git(repo, "stash", "create"))
         git(repo, "checkout", "-q", "-b", "fix")
         (repo / "FIX_NOTES.md").write_text(f"{MARKER}\n")
