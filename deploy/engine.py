@@ -10,6 +10,7 @@ temporary files stay in the stack's data directory.
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +67,21 @@ def vllm_argv(
     ]  # fmt: skip
 
 
+IPC_DIR_MAX = 64
+"""Longest temporary directory vLLM gets: it binds ZeroMQ sockets there under 37 more
+characters, and a Unix socket's path holds at most 107."""
+
+
 def vllm_env(scratch: Path) -> dict[str, str]:
-    """The server's whole environment (not the project's venv), its files under `scratch`."""
+    """The server's whole environment (not the project's venv), its files under `scratch`.
+
+    When `scratch` is too deep for vLLM's sockets (`IPC_DIR_MAX`), its temporary files go to
+    a private directory of `/tmp` instead (`TMPDIR` in the result; the caller removes it)."""
     scratch.mkdir(parents=True, exist_ok=True)
-    return vllm_process_env(scratch)
+    env = vllm_process_env(scratch)
+    if len(str(scratch.resolve())) > IPC_DIR_MAX:
+        env["TMPDIR"] = tempfile.mkdtemp(prefix="rollserve-vllm-", dir="/tmp")
+    return env
 
 
 def wait_served(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:

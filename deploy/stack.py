@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -104,6 +105,8 @@ class Stack:
         self.worker_names: dict[str, str] = {}
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._children_lock = threading.Lock()
+        self._scratch: list[Path] = []
+        """Directories outside the data directory to remove at stop."""
         self.supervisor = Supervisor(
             self._dead_children, self._restart_child, options.restart_backoff
         )
@@ -165,6 +168,9 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        for directory in self._scratch:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._scratch.clear()
         self.supervisor.stop()
 
     def __enter__(self) -> Stack:
@@ -264,7 +270,10 @@ class Stack:
         port = opts.port or free_port()
         name = model_dir.name
         argv = vllm_argv(status, model_dir, port, name, opts.max_model_len, opts.extra_args)
-        proc = self._spawn("vllm", argv, whole_env=vllm_env(self.data_dir / "vllm"))
+        env = vllm_env(self.data_dir / "vllm")
+        if not env["TMPDIR"].startswith(str((self.data_dir / "vllm").resolve())):
+            self._scratch.append(Path(env["TMPDIR"]))  # too deep for its sockets: removed at stop
+        proc = self._spawn("vllm", argv, whole_env=env)
         self.vllm_url = f"http://127.0.0.1:{port}"
         wait_served(self.vllm_url, proc, self.data_dir / "logs" / "vllm.log", opts.ready_timeout)
         self.options.backends.insert(0, {"url": self.vllm_url, "model": name, "kind": "vllm"})
