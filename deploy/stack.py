@@ -270,9 +270,11 @@ class Stack:
         port = opts.port or free_port()
         name = model_dir.name
         argv = vllm_argv(status, model_dir, port, name, opts.max_model_len, opts.extra_args)
-        env = vllm_env(self.data_dir / "vllm")
-        if not env["TMPDIR"].startswith(str((self.data_dir / "vllm").resolve())):
-            self._scratch.append(Path(env["TMPDIR"]))  # too deep for its sockets: removed at stop
+        scratch = self.data_dir / "vllm"
+        env = vllm_env(scratch)
+        tmp = Path(env["TMPDIR"]).resolve()
+        if not tmp.is_relative_to(scratch.resolve()):
+            self._scratch.append(tmp)  # moved: too deep for vLLM's sockets; removed at stop
         proc = self._spawn("vllm", argv, whole_env=env)
         self.vllm_url = f"http://127.0.0.1:{port}"
         wait_served(self.vllm_url, proc, self.data_dir / "logs" / "vllm.log", opts.ready_timeout)
