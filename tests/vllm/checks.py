@@ -3,14 +3,50 @@ answered (through `tests.vllm.recording`), and against a teacher-forced recomput
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from core.schemas import ModelTurn, Trajectory
+from api.client import RolloutClient
+from core.schemas import JobStatus, ModelTurn, Trajectory
+from deploy.stack import Stack
 from routing.vllm_generate import GENERATE_PATH
-from tests.vllm.recording import Exchange
+from tests.vllm.conftest import VllmServer, registered
+from tests.vllm.recording import Exchange, recording_proxy
 
 PATHS = {"completions": "/v1/completions", "generate": GENERATE_PATH}
 """The engine's route for each `api` of a backend."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One completed job whose backend was vLLM behind a recording proxy."""
+
+    api: str
+    trajectory: Trajectory
+    exchanges: list[Exchange]
+    """The engine's completions, in order."""
+
+
+def recorded_run(
+    stack: Stack,
+    server: VllmServer,
+    api: str,
+    backend_id: str,
+    task: dict[str, Any],
+    sampling: dict[str, Any],
+    agent: dict[str, Any],
+) -> Run:
+    """Run `task` to its end on `server` through `api`, recording what the engine answered."""
+    with (
+        recording_proxy(server.url) as proxy,
+        registered(stack, proxy.url, server.model, api=api, backend_id=backend_id),
+        RolloutClient(stack.gateway_url, timeout=180) as client,
+    ):
+        traj = client.submit_rollout(task, sampling=sampling, agent=agent, wait=True, timeout=180)
+        exchanges = proxy.recorded(PATHS[api])
+    assert isinstance(traj, Trajectory)
+    assert traj.status is JobStatus.completed, traj.error
+    return Run(api, traj, exchanges)
 
 
 def engine_answer(api: str, exchange: Exchange) -> tuple[list[int], list[int], list[float]]:

@@ -10,19 +10,15 @@ recomputation of the whole trajectory with transformers; and vLLM's chat templat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from api.client import RolloutClient
-from core.schemas import JobStatus, ModelTurn, Trajectory
+from core.schemas import ModelTurn
 from deploy.stack import Stack
-from tests.vllm.checks import PATHS, assert_turns_are_the_engines, logprob_differences
-from tests.vllm.conftest import VllmServer, registered
-from tests.vllm.recording import Exchange, recording_proxy
+from tests.vllm.checks import Run, assert_turns_are_the_engines, logprob_differences, recorded_run
+from tests.vllm.conftest import VllmServer
 from workers.handlers.math import SYSTEM_PROMPT
 
 pytestmark = pytest.mark.vllm
@@ -35,33 +31,13 @@ MESSAGES = [
 """What the math handler opens a conversation with (`MathHandler.initial_messages`)."""
 
 
-@dataclass(frozen=True)
-class Run:
-    api: str
-    trajectory: Trajectory
-    exchanges: list[Exchange]
-    """The engine's completions, in order."""
-
-
 @pytest.fixture(scope="module", params=["completions", "generate"])
-def run(request: pytest.FixtureRequest, stack: Stack, vllm_server: VllmServer) -> Iterator[Run]:
+def run(request: pytest.FixtureRequest, stack: Stack, vllm_server: VllmServer) -> Run:
     api: str = request.param
-    with (
-        recording_proxy(vllm_server.url) as proxy,
-        registered(stack, proxy.url, vllm_server.model, api=api, backend_id=f"recorded-{api}"),
-        RolloutClient(stack.gateway_url, timeout=180) as client,
-    ):
-        traj = client.submit_rollout(
-            TASK,
-            sampling={"temperature": 1.0, "max_tokens": 12, "seed": 7},
-            agent={"max_turns": 3},
-            wait=True,
-            timeout=180,
-        )
-        exchanges = proxy.recorded(PATHS[api])
-    assert isinstance(traj, Trajectory)
-    assert traj.status is JobStatus.completed, traj.error
-    yield Run(api, traj, exchanges)
+    sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 7}
+    return recorded_run(
+        stack, vllm_server, api, f"recorded-{api}", TASK, sampling, {"max_turns": 3}
+    )
 
 
 def test_random_model_runs_every_turn_with_reminders_between(run: Run) -> None:

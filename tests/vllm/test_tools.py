@@ -11,18 +11,14 @@ in it, EVAL grades the file the bash call wrote.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from api.client import RolloutClient
-from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
+from core.schemas import EnvTurn, ModelTurn
 from deploy.stack import Stack
-from tests.vllm.checks import PATHS, assert_turns_are_the_engines, logprob_differences
-from tests.vllm.conftest import TOOL_CALLS, VllmServer, registered
-from tests.vllm.recording import Exchange, recording_proxy
+from tests.vllm.checks import Run, assert_turns_are_the_engines, logprob_differences, recorded_run
+from tests.vllm.conftest import TOOL_CALLS, VllmServer
 
 pytestmark = [
     pytest.mark.vllm,
@@ -40,32 +36,11 @@ TASK = {
 }
 
 
-@dataclass(frozen=True)
-class Run:
-    api: str
-    trajectory: Trajectory
-    exchanges: list[Exchange]
-
-
 @pytest.fixture(scope="module", params=["completions", "generate"])
-def run(request: pytest.FixtureRequest, stack: Stack, vllm_server: VllmServer) -> Iterator[Run]:
+def run(request: pytest.FixtureRequest, stack: Stack, vllm_server: VllmServer) -> Run:
     api: str = request.param
-    with (
-        recording_proxy(vllm_server.url) as proxy,
-        registered(stack, proxy.url, vllm_server.model, api=api, backend_id=f"tools-{api}"),
-        RolloutClient(stack.gateway_url, timeout=180) as client,
-    ):
-        traj = client.submit_rollout(
-            TASK,
-            sampling={"temperature": 1.0, "max_tokens": 64, "seed": 5},
-            agent={"max_turns": 4},
-            wait=True,
-            timeout=180,
-        )
-        exchanges = proxy.recorded(PATHS[api])
-    assert isinstance(traj, Trajectory)
-    assert traj.status is JobStatus.completed, traj.error
-    yield Run(api, traj, exchanges)
+    sampling = {"temperature": 1.0, "max_tokens": 64, "seed": 5}
+    return recorded_run(stack, vllm_server, api, f"tools-{api}", TASK, sampling, {"max_turns": 4})
 
 
 def test_the_engine_calls_the_tools_and_the_sandbox_runs_them(run: Run) -> None:
