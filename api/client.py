@@ -26,6 +26,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from api.client_weights import AsyncWeightUpdates, WeightUpdates
 from api.resume import RESUME_SECONDS, ResultLine, Resume
 from core.schemas import (
     AgentParams,
@@ -295,7 +296,7 @@ class _Base:
         return httpx.Timeout(self.timeout, read=read)
 
 
-class RolloutClient(_Base):
+class RolloutClient(WeightUpdates, _Base):
     """Blocking client of the gateway. Use as a context manager, or call ``close()``.
 
     ``url`` defaults to ``$ROLLSERVE_URL`` (else http://127.0.0.1:8600), ``token`` to
@@ -495,7 +496,7 @@ class RolloutClient(_Base):
         return _backend_or_list(self._request("POST", path, json=_resume_body(policy_version)))
 
 
-class AsyncRolloutClient(_Base):
+class AsyncRolloutClient(AsyncWeightUpdates, _Base):
     """The same client for asyncio code: every method is a coroutine, and
     ``iter_batch_results`` an async iterator. Use ``async with``, or ``await aclose()``.
     """

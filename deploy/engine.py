@@ -5,6 +5,14 @@ flags that hold on a CPU machine: float32 weights (vLLM otherwise runs them as b
 word), eager mode (ready in about a minute and a half instead of two and a half), prefix
 caching, and scale-out, which enables `/inference/v1/generate` (403 otherwise). Its caches and
 temporary files stay in the stack's data directory.
+
+Weight updates (`routing.weights`) need vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`, set by
+`vllm_env`) and rollserve's worker extension (`deploy/vllm_plugins/rollserve_vllm_worker.py`,
+on the server's `PYTHONPATH` by `vllm_env`, named by `vllm_argv`). Development mode also
+serves endpoints that run methods on the workers, reset caches, pause the engine and report its
+whole configuration and environment (`/collective_rpc`, `/pause`, `/server_info`, ...), with no
+authentication: a server started this way must not face an untrusted network (rollserve binds
+it to 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -18,6 +26,17 @@ from pathlib import Path
 import httpx
 
 from deploy.vllm_env import VllmStatus, find_vllm, vllm_process_env
+
+PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
+"""Modules vLLM imports from its own virtualenv (this directory goes on its `PYTHONPATH`)."""
+WORKER_EXTENSION = "rollserve_vllm_worker.RollserveWorker"
+"""The worker extension whose `rollserve_load_weights` loads new weights (`routing.weights`)."""
+
+MAX_NUM_SEQS = 16
+"""Requests a server runs at once. Its step budget is this many whole contexts, so no prompt
+is ever prefilled in pieces: vLLM 0.32's CPU build kills its engine when a request with a
+`seed` is (`RuntimeError: CPU Generator does not use offset`, in `_bookkeeping_sync`, which
+rewinds the seeded generator of a partly prefilled request; CPU generators cannot rewind)."""
 
 ENGINES = ("dev", "vllm")
 """What `rollserve up --engine` starts: the development server, or a real vLLM."""
@@ -56,13 +75,17 @@ def vllm_argv(
     max_model_len: int = 2048,
     extra_args: list[str] | None = None,
 ) -> list[str]:
-    """The command serving `model_dir` on loopback `port` as `served_name`."""
+    """The command serving `model_dir` on loopback `port` as `served_name`, with rollserve's
+    worker extension (which needs `vllm_env`'s `PYTHONPATH`)."""
     return [
         str(status.executable), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", served_name,
         "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
         "--max-model-len", str(max_model_len), "--enable-scale-out",
+        "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens", str(MAX_NUM_SEQS * max_model_len),
+        "--worker-extension-cls", WORKER_EXTENSION,
         *(extra_args or []),
     ]  # fmt: skip
 
@@ -76,9 +99,15 @@ def vllm_env(scratch: Path) -> dict[str, str]:
     """The server's whole environment (not the project's venv), its files under `scratch`.
 
     When `scratch` is too deep for vLLM's sockets (`IPC_DIR_MAX`), its temporary files go to
-    a private directory of `/tmp` instead (`TMPDIR` in the result; the caller removes it)."""
+    a private directory of `/tmp` instead (`TMPDIR` in the result; the caller removes it).
+
+    Development mode is on (`VLLM_SERVER_DEV_MODE=1`, for weight updates) and `PYTHONPATH`
+    holds `PLUGINS` (add to it, do not replace it): such a server must not face an untrusted
+    network (see the module's docstring)."""
     scratch.mkdir(parents=True, exist_ok=True)
     env = vllm_process_env(scratch)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["PYTHONPATH"] = str(PLUGINS)
     if len(str(scratch.resolve())) > IPC_DIR_MAX:
         env["TMPDIR"] = tempfile.mkdtemp(prefix="rollserve-vllm-", dir="/tmp")
     return env

@@ -20,6 +20,7 @@ pytest_plugins = [
     "tests.support.sandbox",
     "tests.support.toolserver",
     "tests.support.vllm",
+    "tests.support.weights",
 ]
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")

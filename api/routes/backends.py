@@ -1,8 +1,9 @@
-"""`/v1/backends`: the inference servers jobs are assigned to, and their drain/resume for weight
-updates."""
+"""`/v1/backends`: the inference servers jobs are assigned to, their drain/resume for weight
+updates, and the weight update itself (`POST /v1/backends/update_weights`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -13,10 +14,19 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from api.deps import services
 from api.errors import BODY, BY_ID, error_responses
 from api.service import RequestError, Services
-from core.schemas import Backend, BackendSpec, ResumeRequest
+from core.schemas import (
+    Backend,
+    BackendSpec,
+    BackendWeightUpdate,
+    ErrorBody,
+    ResumeRequest,
+    WeightUpdateReport,
+    WeightUpdateRequest,
+)
 from core.settings import IPNetwork
 from routing.addresses import BackendAddressError, check_backend_url
 from routing.pool import BackendPool
+from routing.weights import WeightUpdateError, load_weights
 
 router = APIRouter(prefix="/v1/backends", tags=["backends"])
 
@@ -191,6 +201,110 @@ def resume_all(
     for backend_id in svc.pool.ids():
         svc.pool.resume(backend_id, version)
     return svc.pool.list()
+
+
+UPDATE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": description}
+    for code, description in {
+        404: "A backend named in `backends` is not registered: nothing was drained.",
+        409: "No backend is registered: there is nothing to update.",
+        502: "No backend took the weights (each stays drained): `detail` says why.",
+    }.items()
+}
+"""The error answers of `POST /v1/backends/update_weights` besides a body's."""
+
+
+async def update_one(
+    pool: BackendPool, backend_id: str, body: WeightUpdateRequest
+) -> BackendWeightUpdate:
+    """Drain one backend, wait until no job holds it, load the weights, resume it with the
+    policy version. On any failure it stays drained, and the answer says why."""
+    began = time.monotonic()
+    drain_seconds: float | None = None
+    load_seconds: float | None = None
+
+    def failed(error: str) -> BackendWeightUpdate:
+        spent = time.monotonic() - began
+        return BackendWeightUpdate(
+            id=backend_id,
+            ok=False,
+            drain_seconds=spent if drain_seconds is None else drain_seconds,
+            load_seconds=load_seconds,
+            total_seconds=spent,
+            error=error,
+        )
+
+    await asyncio.to_thread(pool.drain, backend_id)
+    found = await asyncio.to_thread(wait_until_idle, pool, [backend_id], body.timeout)
+    drain_seconds = time.monotonic() - began
+    if not found:
+        return failed("it was removed during the update")
+    backend = found[0]
+    if not backend.idle:
+        return failed(
+            f"{backend.in_flight} job(s) still held it after {body.timeout:g} s: not loaded"
+        )
+    try:
+        load_seconds = await load_weights(
+            backend, body.model_path, timeout=body.timeout, weight_version=str(body.policy_version)
+        )
+    except WeightUpdateError as exc:
+        return failed(str(exc))
+    if not await asyncio.to_thread(pool.resume, backend_id, body.policy_version):
+        return failed("it was removed during the update (after loading)")
+    return BackendWeightUpdate(
+        id=backend_id,
+        ok=True,
+        drain_seconds=drain_seconds,
+        load_seconds=load_seconds,
+        total_seconds=time.monotonic() - began,
+    )
+
+
+@router.post(
+    "/update_weights",
+    response_model=WeightUpdateReport,
+    responses={**BODY, **UPDATE_ERRORS},
+)
+async def update_weights(
+    body: WeightUpdateRequest, svc: Services = Depends(services)
+) -> WeightUpdateReport:
+    """Switch backends to new weights (all, or those named), all at once: each is drained,
+    waits until no job holds it (running requests finish on the old weights; their jobs wait
+    between turns), loads `model_path` (SGLang's `/update_weights_from_disk`; vLLM's
+    development-mode endpoints, see `routing.weights`) and takes work again announcing
+    `policy_version`. 200 with each backend's timings when at least one switched (`ok` false
+    and `error` name any that did not: they stay drained); 502 when none did; 404 for an
+    unknown id and 409 with no backend registered, before anything is drained."""
+    pool = svc.pool
+    if body.backends is None:
+        ids = await asyncio.to_thread(pool.ids)
+        if not ids:
+            raise RequestError(409, "no backend is registered: there is nothing to update")
+    else:
+        ids = list(dict.fromkeys(body.backends))
+        known = await asyncio.to_thread(lambda: [i for i in ids if pool.get(i) is not None])
+        unknown = [i for i in ids if i not in known]
+        if unknown:
+            raise HTTPException(
+                status_code=404, detail=f"no backend with id {', '.join(map(repr, unknown))}"
+            )
+    results = list(await asyncio.gather(*(update_one(pool, i, body) for i in ids)))
+    failures = [r for r in results if not r.ok]
+    error = "; ".join(f"{r.id}: {r.error}" for r in failures) or None
+    if failures and len(failures) == len(results):
+        raise HTTPException(
+            status_code=502,
+            detail=f"no backend took the weights of {body.model_path!r} (they stay drained): "
+            f"{error}",
+        )
+    return WeightUpdateReport(
+        model_path=body.model_path,
+        policy_version=body.policy_version,
+        ok=not failures,
+        backends=results,
+        error=error,
+    )
 
 
 @router.get("/{backend_id}", response_model=Backend, responses=BY_ID)

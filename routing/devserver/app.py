@@ -14,6 +14,11 @@ a client that disconnects aborts its request; SGLang's `/abort_request` aborts t
 with that `rid`, vLLM's `/inference/v1/abort_requests` those it names (`generate-tokens-<id>`).
 Either stops the generation before its next token and is counted in
 `vllm:request_success_total{finished_reason="abort"}`. A scripted delay counts as waiting.
+
+New weights are loaded while the server runs through SGLang's `/update_weights_from_disk` or
+vLLM's development-mode `/pause`, `/collective_rpc` (`reload_weights`, and the
+`rollserve_load_weights` of rollserve's vLLM worker extension), `/reset_prefix_cache` and
+`/resume` (`routing/devserver/weights.py`); every generation route passes its gate.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from routing.devserver.protocol import (
     error_body,
 )
 from routing.devserver.server import VERSION, DevServer, validation_message
+from routing.devserver.weights import WeightUpdater, attach_weight_routes
 
 T = TypeVar("T")
 
@@ -86,8 +92,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 def create_app(engine: Engine) -> FastAPI:
     """The development server's FastAPI app, serving `engine` with vLLM's HTTP API."""
     server = DevServer(engine)
+    updater = WeightUpdater(server)
+    gate = updater.gate
     app = FastAPI(title="rollserve development inference server", version=VERSION)
     app.state.devserver = server
+    app.state.weights = updater
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -106,7 +115,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         body = await _cancel_on_disconnect(
-            request, server.completions(req, request.headers.get("X-Request-Id"))
+            request, gate.run(server.completions(req, request.headers.get("X-Request-Id")))
         )
         if body is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -124,14 +133,14 @@ def create_app(engine: Engine) -> FastAPI:
     async def generate_tokens(request: Request) -> Response:
         req: GenerateRequest = await _parse(request, GenerateRequest)
         body = await _cancel_on_disconnect(
-            request, server.generate_tokens(req, request.headers.get("X-Request-Id"))
+            request, gate.run(server.generate_tokens(req, request.headers.get("X-Request-Id")))
         )
         return Response(status_code=499) if body is None else JSONResponse(body)
 
     @app.post("/generate")
     async def sglang_generate(request: Request) -> Response:
         req: SGLangGenerateRequest = await _parse(request, SGLangGenerateRequest)
-        body = await _cancel_on_disconnect(request, server.sglang_generate(req))
+        body = await _cancel_on_disconnect(request, gate.run(server.sglang_generate(req)))
         return Response(status_code=499) if body is None else JSONResponse(body)
 
     @app.post("/abort_request")
@@ -179,4 +188,5 @@ def create_app(engine: Engine) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    attach_weight_routes(app, updater)
     return app

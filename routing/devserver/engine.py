@@ -202,6 +202,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
+        self.weights_path = self.model_dir
+        """Where the served weights were loaded from (changed by a weight update)."""
         self.served_model_name = served_model_name or self.model_dir.name
         self.max_model_len = max_model_len
         self.delay = delay

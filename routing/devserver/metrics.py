@@ -53,6 +53,10 @@ class PrefixCache:
             hits += self.block_size
         return hits
 
+    def clear(self) -> None:
+        """Forget every cached block (after new weights are loaded)."""
+        self._blocks.clear()
+
     def insert(self, ids: list[int], salt: str | None = None) -> None:
         """Cache the full blocks of a sequence whose KV was computed."""
         for h in self._hashes(ids, len(ids) // self.block_size, salt):

@@ -47,6 +47,13 @@ enabled = false
 include-path = "/readyz"
 checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "503"]
 
+# A weight update none of whose backends takes the weights answers 502 (documented): the
+# fuzzer's backends name servers that do not answer.
+[[operations]]
+include-path = "/v1/backends/update_weights"
+checks.not_a_server_error.expected-statuses = ["2xx", "4xx", "502"]
+checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "404", "409", "422", "502"]
+
 # A schema-valid task can still be one its handler refuses (a task's fields other than
 # `data_source` and `instance_id` belong to its handler: the schema leaves them free), and a
 # schema-valid backend URL can name a server that does not answer: those are 422s.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -93,7 +94,7 @@ def vllm_server(
     plugin = ["--logits-processors", "scripted_tool_calls:ScriptedToolCalls"]
     argv = vllm_argv(vllm_install, tiny_model_dir, port, model, extra_args=plugin)
     env = vllm_env(scratch / "run")
-    env["PYTHONPATH"] = str(PLUGINS)
+    env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), env["PYTHONPATH"]])
     env[SCRIPTED_CALLS] = json.dumps(scripted_tool_calls(tiny_model_dir))
     started = time.monotonic()
     proc = spawn(argv, env=env, log_path=str(log))
