@@ -137,6 +137,9 @@ def resolve_agent(agent: AgentParams, settings: Settings) -> dict[str, Any]:
     }
     if agent.max_seconds is not None:
         resolved["max_seconds"] = agent.max_seconds
+    if agent.max_staleness is not None:
+        resolved["max_staleness"] = agent.max_staleness
+        resolved["on_stale"] = agent.on_stale
     return resolved
 
 

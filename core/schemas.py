@@ -45,6 +45,8 @@ MAX_TOKENS = 1 << 20
 usually a tighter one."""
 MAX_POLICY_VERSION = 2**63 - 1
 """Largest policy version: a signed 64-bit integer, as trainers count steps."""
+MAX_STALE_RERUNS = 3
+"""Times a stale job's episode is started again (`AgentParams.on_stale`) before it is dropped."""
 MAX_TASK_DEPTH = 64
 """Deepest nesting of lists and objects inside a task."""
 
@@ -148,6 +150,15 @@ class AgentParams(BaseModel):
     count): RUN stops the episode when it is spent (`stop_reason` `time_budget`), and a job
     whose budget is spent before INIT or RUN starts ends `timed_out`. None: no budget
     beyond each stage's own limits. At most the service's `ROLLSERVE_MAX_SECONDS_LIMIT`."""
+    max_staleness: int | None = Field(default=None, ge=0, le=MAX_POLICY_VERSION)
+    """Bounded staleness for asynchronous training: a job whose turns come (or would come)
+    from a policy older than `current - max_staleness` is stale, where `current` is the
+    newest policy version a backend has announced. Checked before every model call and when
+    the episode ends. None: no bound (policy versions are still recorded per turn)."""
+    on_stale: Literal["rerun", "drop"] = "rerun"
+    """What a stale job does: `rerun` starts its episode again from the first turn on the
+    current policy (in a fresh sandbox when it has one; at most `MAX_STALE_RERUNS` times,
+    then it is dropped); `drop` ends it `failed` with error type `stale_policy`."""
 
 
 class RolloutRequest(BaseModel):
@@ -297,6 +308,28 @@ class ResumeRequest(BaseModel):
     """The version of the weights the backend now holds; every later turn records it."""
 
 
+MAX_WEIGHT_UPDATE_TIMEOUT = 3600.0
+"""Longest `timeout` of a weight update, in seconds."""
+
+
+class WeightUpdateRequest(BaseModel):
+    """Body of `POST /v1/backends/update_weights`: drain, load `model_path`, resume with
+    `policy_version`, on every backend named (all when `backends` is absent)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    model_path: Text = Field(min_length=1, max_length=4096)
+    """A checkpoint directory (Hugging Face format) on the inference servers' machines."""
+    policy_version: int = Field(ge=0, le=MAX_POLICY_VERSION)
+    """The version of the new weights; every later turn records it."""
+    backends: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]] | None = Field(
+        default=None, min_length=1, max_length=1024
+    )
+    """Backend ids to update; None: every registered backend."""
+    timeout: float = Field(default=600.0, gt=0.0, le=MAX_WEIGHT_UPDATE_TIMEOUT)
+    """Seconds each backend may take to become idle and then to load (each, separately)."""
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -333,6 +366,33 @@ class Backend(BaseModel):
     max_model_len: int | None = None
     """The context length the server reported when it was registered (`max_model_len` of
     its `/v1/models`); None when unknown (not reported, or registered with `verify=false`)."""
+
+
+class BackendWeightUpdate(BaseModel):
+    """How one backend's weight update went."""
+
+    id: str
+    ok: bool
+    """Loaded and resumed with the new policy version; False: it stays drained."""
+    drain_seconds: float
+    """From the drain until no job held it."""
+    load_seconds: float | None = None
+    """The engine's load (None when it was not reached)."""
+    total_seconds: float
+    error: str | None = None
+    """Why it failed, naming what the engine said."""
+
+
+class WeightUpdateReport(BaseModel):
+    """Answer of `POST /v1/backends/update_weights`."""
+
+    model_path: str
+    policy_version: int
+    ok: bool
+    """Every backend took the new weights."""
+    backends: list[BackendWeightUpdate]
+    error: str | None = None
+    """Which backends failed, when any did."""
 
 
 class StageError(BaseModel):
@@ -441,6 +501,9 @@ class Trajectory(BaseModel):
     """Well-formed tool calls the model made."""
     malformed_tool_calls: int = 0
     """Tool calls that could not be parsed (each got an error message back)."""
+    stale_reruns: int = 0
+    """Times the episode was started again because its turns went stale
+    (`agent.max_staleness`); the turns here are all from the last start."""
     timing: Timing = Field(default_factory=Timing)
     hosts: dict[str, str] = Field(default_factory=dict)
     """The worker node that ran each stage (`init`, `run`, `eval`)."""

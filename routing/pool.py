@@ -225,6 +225,18 @@ return id or false
 """
 )
 
+# ARGV: prefix. The policy version of every registered backend that announced one (any
+# state), for `current_version` to take the newest of (in Python: versions are 64-bit
+# integers, and Lua's numbers are doubles).
+_VERSIONS = """
+local p, found = ARGV[1], {}
+for _, id in ipairs(redis.call('HKEYS', p .. 'pool:epoch')) do
+  local v = redis.call('HGET', p .. 'pool:backend:' .. id, 'policy_version')
+  if v and v ~= '' then table.insert(found, v) end
+end
+return found
+"""
+
 # ARGV: prefix, id, field, value. Sets a state field and puts the backend in or out of the
 # heap. Returns 0 for an unknown id.
 _SET = (
@@ -372,6 +384,7 @@ class BackendPool:
         self._set = client.register_script(_SET)
         self._health = client.register_script(_HEALTH)
         self._reconcile = client.register_script(_RECONCILE)
+        self._versions = client.register_script(_VERSIONS)
 
     def backend_key(self, backend_id: str) -> str:
         return f"{self.prefix}pool:backend:{backend_id}"
@@ -406,6 +419,13 @@ class BackendPool:
         if backend is None:  # removed by someone else in between
             raise KeyError(backend_id)
         return backend
+
+    def current_version(self) -> int | None:
+        """The newest policy version a registered backend holds (whatever its state), or None
+        when none announced one: what `max_staleness` is measured from. A fleet switched back
+        to an older version (a new training run from version 0) makes that one current."""
+        versions = [int(_text(v)) for v in self._versions(args=[self.prefix])]
+        return max(versions) if versions else None
 
     def remove(self, backend_id: str) -> bool:
         """Unregister a backend; False if it was not registered.

@@ -40,6 +40,32 @@ class JobCancelled(Exception):
     """The job was ended from outside (cancelled, or its batch reached its target)."""
 
 
+class StalePolicy(Exception):
+    """The job's turns come (or would come) from a policy older than its `max_staleness`
+    allows: `oldest < current - max_staleness`."""
+
+    def __init__(self, job_id: str, oldest: int, current: int, max_staleness: int) -> None:
+        super().__init__(
+            f"job {job_id} has turns from policy version {oldest}, but the current version is "
+            f"{current} and agent.max_staleness is {max_staleness}"
+        )
+        self.oldest = oldest
+        self.current = current
+
+
+def check_staleness(
+    job_id: str, versions: Iterable[int | None], current: int | None, max_staleness: int | None
+) -> None:
+    """Raise `StalePolicy` when the oldest of `versions` (None: unversioned, never stale) is
+    more than `max_staleness` behind `current`."""
+    known = [v for v in versions if v is not None]
+    if max_staleness is None or current is None or not known:
+        return
+    oldest = min(known)
+    if oldest < current - max_staleness:
+        raise StalePolicy(job_id, oldest, current, max_staleness)
+
+
 def cache_salt(policy_version: int | None) -> str | None:
     """The prefix-cache salt of requests generated with a policy version: prefixes computed
     under older weights are never reused for a newer version."""
@@ -70,6 +96,7 @@ class RoutedPolicy:
         backend_wait: float = 600.0,
         failovers: int = 3,
         poll: float = POLL_SECONDS,
+        max_staleness: int | None = None,
     ) -> None:
         self.pool = pool
         self.job_id = job_id
@@ -86,6 +113,9 @@ class RoutedPolicy:
         """The backend of the latest request."""
         self.moves = 0
         self._requests = 0
+        self.max_staleness = max_staleness
+        self.oldest_version: int | None = None
+        """The oldest policy version among the turns generated so far."""
 
     # ------------------------------------------------------------------ routing
 
@@ -179,6 +209,8 @@ class RoutedPolicy:
         """One model call on the job's backend, with the salt of its policy version."""
 
         async def call(backend: Backend, client: Any, _t: ChatTemplater) -> Completion:
+            if self.max_staleness is not None:
+                self.check_staleness(backend.policy_version)
             self._requests += 1
             request_id = f"{self.job_id}-{self._requests}"
             try:
@@ -194,10 +226,22 @@ class RoutedPolicy:
             finally:
                 self.pool.request_done(self.job_id)
             completion.backend_id = backend.id
-            completion.policy_version = backend.policy_version
+            completion.policy_version = version = backend.policy_version
+            if version is not None and (
+                self.oldest_version is None or version < self.oldest_version
+            ):
+                self.oldest_version = version
             return completion
 
         return await self._with_failover(call)
+
+    def check_staleness(self, next_version: int | None = None) -> None:
+        """Raise `StalePolicy` if the turns so far, with one more from `next_version`, are
+        older than `max_staleness` allows (one Redis read; nothing without a bound)."""
+        if self.max_staleness is None:
+            return
+        versions = (self.oldest_version, next_version)
+        check_staleness(self.job_id, versions, self.pool.current_version(), self.max_staleness)
 
     def first_refused(self, ids: list[int]) -> int | None:
         """The first of `ids` the job's backend is known to refuse in a prompt (outside its

@@ -6,13 +6,14 @@ final result is recorded (the job store's `finish` is exactly-once).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from broker.jobstore import JobRecord
-from core.schemas import TERMINAL_STATUSES, JobStatus, Trajectory
+from core.schemas import MAX_STALE_RERUNS, TERMINAL_STATUSES, JobStatus, StageError, Trajectory
 from sandbox.egress import read_events
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
@@ -21,8 +22,10 @@ from workers.freshshell import FreshShell
 from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
 from workers.process_state import Runtime
-from workers.routed_policy import JobCancelled, RoutedPolicy
+from workers.routed_policy import JobCancelled, RoutedPolicy, StalePolicy
 from workers.trajectory import TrajectoryBuilder
+
+log = logging.getLogger(__name__)
 
 
 class TimeBudgetSpent(Exception):
@@ -66,18 +69,26 @@ def init_stage(rt: Runtime, job_id: str) -> bool:
         "messages": handler.initial_messages(record.task),
         "tools": handler.tools(record.task),
     }
-    spec = handler.sandbox_spec(record.task, job_id) if handler.needs_sandbox else None
-    if spec is not None:
-        if record.sandbox is not None:  # a redelivered INIT: the first attempt's box goes
-            rt.release_sandbox(job_id)
-        kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
-        rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": rt.settings.node_name})
-        rt.store.pin(job_id, rt.settings.node_name)
-        with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
-            handler.prepare(record.task, tools)
+    if handler.needs_sandbox:
+        start_sandbox(rt, job_id, record, handler)
     rt.store.set_fields(job_id, context=context)
     rt.store.stage_finished(job_id, "init", time.perf_counter() - started)
     return True
+
+
+def start_sandbox(rt: Runtime, job_id: str, record: JobRecord, handler: Handler) -> None:
+    """Start the job's sandbox on this node (a box it had before is stopped first: a
+    redelivered INIT, or a stale episode started again) and prepare it for the task."""
+    spec = handler.sandbox_spec(record.task, job_id)
+    if spec is None:
+        return
+    if record.sandbox is not None:
+        rt.release_sandbox(job_id)
+    kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
+    rt.store.set_fields(job_id, sandbox={**kept.as_dict(), "host": rt.settings.node_name})
+    rt.store.pin(job_id, rt.settings.node_name)
+    with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
+        handler.prepare(record.task, tools)
 
 
 def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
@@ -102,7 +113,8 @@ def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
 def run_stage(rt: Runtime, job_id: str) -> bool:
     """Run the agent loop, each request routed through the backend pool, saving the trajectory
     after every turn. A job cancelled meanwhile stops within one turn (its in-flight request
-    is aborted) and gives back its backend and sandbox."""
+    is aborted) and gives back its backend and sandbox. A job whose turns went stale
+    (`agent.max_staleness`) starts its episode again, or is dropped (`agent.on_stale`)."""
     started = time.perf_counter()
     record = _enter(rt, job_id, JobStatus.run)
     if record is None:
@@ -110,40 +122,26 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     if record.context is None:
         raise RuntimeError("the job reached RUN without the context INIT prepares")
     handler = get_handler(record.data_source)
-    routed = RoutedPolicy(
-        rt.pool,
-        job_id,
-        rt.policy,
-        is_live=lambda: rt.job_live(job_id),
-        job_key=rt.store.job_key(job_id),
-        final=[status.value for status in TERMINAL_STATUSES],
-        backend_wait=rt.settings.backend_wait,
-        failovers=rt.settings.backend_failovers,
-    )
-    trajectory = rt.store.skeleton(record)
-    trajectory.status = JobStatus.run
-
-    def save(builder: TrajectoryBuilder) -> None:
-        builder.fill(trajectory)
-        _stamp_backend(trajectory, routed)
-        rt.store.save_partial(job_id, trajectory)
-
-    try:
-        episode = rt.run(
-            _episode_with_tools(
-                record, handler, routed, limits_for(record, rt.settings.tool_timeout), save
-            )
-        )
-    except JobCancelled:
-        rt.release_sandbox(job_id)
-        return False
-    finally:
-        rt.pool.release(job_id)
-    episode.builder.fill(trajectory)
-    _stamp_backend(trajectory, routed)
-    rt.store.set_fields(
-        job_id, backend_id=trajectory.backend_id, policy_version=trajectory.policy_version
-    )
+    limits = limits_for(record, rt.settings.tool_timeout)
+    reruns = 0
+    while True:
+        attempt = _run_episode(rt, job_id, record, handler, limits, reruns)
+        if isinstance(attempt, StalePolicy):
+            if record.agent.get("on_stale") == "drop" or reruns >= MAX_STALE_RERUNS:
+                why = str(attempt) + (f" (after {reruns} reruns)" if reruns else "")
+                error = StageError(stage="run", type="stale_policy", message=why)
+                rt.end_job(job_id, JobStatus.failed, error)
+                return False
+            reruns += 1
+            log.info("job %s is stale (%s): its episode starts again", job_id, attempt)
+            if record.sandbox is not None:
+                start_sandbox(rt, job_id, record, handler)
+                record = rt.store.get(job_id)
+            continue
+        if attempt is None:
+            return False
+        episode, trajectory = attempt
+        break
     trajectory.stop_reason = episode.stop_reason
     trajectory.truncated = episode.truncated
     if record.sandbox is not None:
@@ -158,6 +156,49 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     rt.store.save_partial(job_id, trajectory)
     rt.store.stage_finished(job_id, "run", time.perf_counter() - started)
     return True
+
+
+def _run_episode(
+    rt: Runtime, job_id: str, record: JobRecord, handler: Handler, limits: Limits, reruns: int
+) -> tuple[Episode, Trajectory] | StalePolicy | None:
+    """One start of the job's episode: the episode and its trajectory; the `StalePolicy`
+    that stopped it; or None when the job was ended from outside (its box given back)."""
+    routed = RoutedPolicy(
+        rt.pool,
+        job_id,
+        rt.policy,
+        is_live=lambda: rt.job_live(job_id),
+        job_key=rt.store.job_key(job_id),
+        final=[status.value for status in TERMINAL_STATUSES],
+        backend_wait=rt.settings.backend_wait,
+        failovers=rt.settings.backend_failovers,
+        max_staleness=record.agent.get("max_staleness"),
+    )
+    trajectory = rt.store.skeleton(record)
+    trajectory.status = JobStatus.run
+    trajectory.stale_reruns = reruns
+
+    def save(builder: TrajectoryBuilder) -> None:
+        builder.fill(trajectory)
+        _stamp_backend(trajectory, routed)
+        rt.store.save_partial(job_id, trajectory)
+
+    try:
+        episode = rt.run(_episode_with_tools(record, handler, routed, limits, save))
+        routed.check_staleness()  # the bound holds until the episode's end, not only per turn
+    except JobCancelled:
+        rt.release_sandbox(job_id)
+        return None
+    except StalePolicy as exc:
+        return exc
+    finally:
+        rt.pool.release(job_id)
+    episode.builder.fill(trajectory)
+    _stamp_backend(trajectory, routed)
+    rt.store.set_fields(
+        job_id, backend_id=trajectory.backend_id, policy_version=trajectory.policy_version
+    )
+    return episode, trajectory
 
 
 def _stamp_backend(trajectory: Trajectory, routed: RoutedPolicy) -> None:
