@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "workers": {"core", "broker", "routing", "sandbox"},
     "api": {"core", "broker", "routing", "workers"},
     "deploy": {"core", "broker", "routing", "sandbox", "workers", "api"},
+    "trainers": {"core", "api"},
 }
 """Which first-party packages each package may import."""
 
