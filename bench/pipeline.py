@@ -8,7 +8,12 @@ Throughput: a batch through stacks with 1, 2 and 4 run-worker processes, with th
 answering each call after a fixed delay, as a GPU server would — run workers mostly wait on
 inference, which is what more of them should overlap.
 
-    .venv/bin/python bench/pipeline.py [--quick]
+Real vLLM: the same overhead measure against a real vLLM server (the CPU build from
+`make vllm`, serving the tiny model, 16 generated tokens per job) in place of the development
+server: what the pipeline costs beside the real engine, its `/tokenize` included. Without
+vLLM (or with `--no-vllm`) that row is `{"failed": "<why>"}`.
+
+    .venv/bin/python bench/pipeline.py [--quick] [--no-vllm]
 
 The last line printed is one JSON object with every figure and the conditions. If the Celery
 baseline fails, its figure is `{"failed": "..."}` and the ratio against it null.
@@ -36,11 +41,12 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import redis
 
 from api.client import RolloutClient
-from bench.support.report import print_json, run_baseline
+from bench.support.report import failure, has_failed, print_json, run_baseline
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, spawn, stop_group
 from core.schemas import JobStatus, Trajectory
 from core.settings import Settings
+from deploy.engine import VllmOptions
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from routing.devserver.tiny import make_tiny_model
 
@@ -54,6 +60,8 @@ SCRIPT = [
     {"match": "BENCH-TURNS", "samples": [[TRUE_CALL] * TOOL_TURNS + [FINISH_CALL]]},
 ]
 TOOL_TASK = {"data_source": "shell", "instruction": "BENCH-TURNS: run true.", "check": "true"}
+VLLM_SAMPLING = {"max_tokens": 16, "temperature": 1.0}
+"""Jobs against the real vLLM: its random tiny model never answers, so it stops at this."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,10 +70,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def start(work: Path, model: Path, run_workers: int, delay: float) -> Stack:
+def start(work: Path, model: Path, run_workers: int, delay: float, vllm: bool = False) -> Stack:
     script = work / "script.jsonl"
     script.write_text("".join(json.dumps(e) + "\n" for e in SCRIPT))
-    data_dir = work / f"stack-{run_workers}-{delay}"
+    data_dir = work / f"stack-{run_workers}-{delay}{'-vllm' if vllm else ''}"
     settings = Settings(
         data_dir=data_dir,
         port=free_port(),
@@ -74,19 +82,24 @@ def start(work: Path, model: Path, run_workers: int, delay: float) -> Stack:
     )
     options = StackOptions(
         workers={"init": 2, "run": run_workers, "eval": 2},
-        dev_backend=DevBackendOptions(model_dir=model, script=script, delay=delay),
+        dev_backend=None
+        if vllm
+        else DevBackendOptions(model_dir=model, script=script, delay=delay),
+        vllm=VllmOptions(model_dir=model) if vllm else None,
     )
     return Stack(settings, options).start()
 
 
-def measure_overhead(client: RolloutClient, jobs: int) -> dict[str, float]:
+def measure_overhead(
+    client: RolloutClient, jobs: int, sampling: dict[str, Any] | None = None, warm: int = 3
+) -> dict[str, float]:
     overheads: list[float] = []
     totals: list[float] = []
-    for _ in range(3):  # warm up the workers' connections and template caches
-        client.submit_rollout(TASK, wait=True, timeout=60)
+    for _ in range(warm):  # warm up the workers' connections and template caches
+        client.submit_rollout(TASK, sampling=sampling, wait=True, timeout=300)
     for _ in range(jobs):
         started = time.perf_counter()
-        traj = client.submit_rollout(TASK, wait=True, timeout=60)
+        traj = client.submit_rollout(TASK, sampling=sampling, wait=True, timeout=300)
         total = time.perf_counter() - started
         assert isinstance(traj, Trajectory) and traj.status is JobStatus.completed, traj
         totals.append(total)
@@ -151,6 +164,23 @@ def measure_celery_floor(work: Path, runs: int) -> float:
     return statistics.median(latencies)
 
 
+def measure_vllm_overhead(work: Path, model: Path, jobs: int) -> dict[str, Any]:
+    """`measure_overhead` against a real vLLM; `{"failed": ...}` when none can serve here."""
+    try:
+        stack = start(work, model, 1, 0.0, vllm=True)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"no real-vLLM row: {exc}", file=sys.stderr)
+        return failure(exc)
+    with stack, RolloutClient(stack.gateway_url) as client:
+        # A fresh engine's first requests take about 25 s: warm it before the clock starts.
+        figures: dict[str, Any] = measure_overhead(client, jobs, VLLM_SAMPLING, warm=5)
+        traj = client.submit_rollout(TASK, sampling=VLLM_SAMPLING, wait=True, timeout=300)
+        assert isinstance(traj, Trajectory)
+        figures["llm_p50_ms_one_call"] = round(1000 * traj.timing.llm, 1)
+        figures["generated_tokens"] = len(traj.response_ids)
+        return figures
+
+
 def measure_throughput(client: RolloutClient, jobs: int, workers: int) -> float:
     # Warm every pool process (connections, template pieces) before the clock starts.
     warm = client.submit_batch([TASK] * (4 * workers), group_size=1)
@@ -166,6 +196,7 @@ def measure_throughput(client: RolloutClient, jobs: int, workers: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer jobs (under about a minute)")
+    parser.add_argument("--no-vllm", action="store_true", help="leave out the real-vLLM row")
     args = parser.parse_args(argv)
     overhead_jobs = 40 if args.quick else 200
     batch_jobs = 24 if args.quick else 96
@@ -186,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 RolloutClient(stack.gateway_url) as client,
             ):
                 rates[workers] = measure_throughput(client, batch_jobs, workers)
+        if args.no_vllm:
+            vllm_row: dict[str, Any] = {"failed": "left out (--no-vllm)"}
+        else:
+            vllm_row = measure_vllm_overhead(work, model, 20 if args.quick else 60)
 
     if isinstance(floor, float):
         results["celery_3hop_floor_p50_ms"] = 1000 * floor
@@ -193,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results["celery_3hop_floor_p50_ms"] = floor
         results["overhead_vs_celery_floor"] = None
+    results["real_vllm"] = vllm_row
     results["throughput_jobs_per_s"] = {str(k): round(v, 2) for k, v in rates.items()}
     results["scaling_2_vs_1"] = round(rates[2] / rates[1], 2)
     results["scaling_4_vs_1"] = round(rates[4] / rates[1], 2)
@@ -222,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{'scaling 2 vs 1 / 4 vs 1':<36}"
         f"{results['scaling_2_vs_1']:>6} /{results['scaling_4_vs_1']:>5}"
     )
+    if has_failed(vllm_row):
+        print(f"{'real vLLM':<36}  {vllm_row['failed']}")
+    else:
+        print(f"{'real vLLM: overhead per job p50 (ms)':<36}{vllm_row['overhead_p50_ms']:>12.1f}")
+        print(f"{'real vLLM: overhead per job p99 (ms)':<36}{vllm_row['overhead_p99_ms']:>12.1f}")
+        print(f"{'real vLLM: submit→completed p50 (ms)':<36}{vllm_row['total_p50_ms']:>12.1f}")
     print_json(results)
     return 0
 

@@ -35,6 +35,9 @@ returns stdlib source text):
   over its 151,936 ids), the worst case for re-tokenizing. About 0.2 % of that mass is on
   ids the tokenizer does not define; the server refuses a prompt holding one, so an episode
   that sampled one ends there and is kept up to its last model turn (`backend_error`).
+- tiny random Qwen3 on a real vLLM — the same jobs and worker path against vLLM's CPU build
+  (`make vllm`) serving the same model: the ids come from the real engine. Without vLLM (or
+  with `--no-vllm`) the row is left out and the JSON's `vllm` says why.
 - scripted agent text — the development server in script mode: reasoning, prose and bash
   tool calls, tokenized canonically by the server; same worker path. Drift there can only
   come from chat-template and turn-boundary effects (a control: expected near 0).
@@ -45,7 +48,7 @@ returns stdlib source text):
   `ChatTemplater` renders through a `VLLMClient` whose `/tokenize` is answered in-process by
   the same tokenizer and template as the server's.
 
-    .venv/bin/python bench/tokens.py [--quick] [--json PATH] [--seed N] [--model DIR]
+    .venv/bin/python bench/tokens.py [--quick] [--json PATH] [--seed N] [--model DIR] [--no-vllm]
 
 The last line printed is one JSON object with every figure and the conditions (`--json` also
 writes it to a file). Should the re-tokenizing baseline fail on a row, that row's drift
@@ -66,6 +69,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import argparse
 import ast
 import asyncio
+import contextlib
 import difflib
 import inspect
 import json
@@ -83,6 +87,7 @@ from typing import Any
 
 import httpx
 
+from bench.support.engines import Engine, EngineUnavailable, start_engines, stop_engines
 from bench.support.report import failed_baseline, finite, print_json
 from broker.processes import free_port, spawn, stop_group
 from core.schemas import EnvTurn, ModelTurn
@@ -996,6 +1001,12 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
     model_dir = args.model or make_tiny_model(work / "tiny-qwen3")
     servers: list[Server] = []
     rows: list[Row] = []
+    engines: list[Engine] = []
+    vllm_note: dict[str, Any] = {"failed": "left out (--no-vllm)"}
+    starting = None
+    if not args.no_vllm:  # it takes a minute or two: started first, awaited last
+        vllm_args = (model_dir, work / "vllm", ["vllm"], None, 8192)
+        starting = asyncio.ensure_future(asyncio.to_thread(start_engines, *vllm_args))
     try:
         servers.append(start_server("tiny-qwen3", model_dir, work / "server-model", None))
         corpus = load_corpus(sizes.corpus_chars)
@@ -1060,10 +1071,36 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
                 server.url, server.name, jobs, CorpusRunner(runner_chunks, seed)
             )
             rows.append(summarize(label, how, recs, tokenizer, time.perf_counter() - started))
+        if starting is not None:
+            try:
+                engines = await starting
+            except EngineUnavailable as exc:
+                print(f"no real-vLLM row: {exc}", file=sys.stderr)
+                vllm_note = {"failed": str(exc)[:500]}
+            else:
+                started = time.perf_counter()
+                engine = engines[0]
+                recs = await run_server_jobs(
+                    engine.url, engine.model, model_jobs, CorpusRunner(runner_chunks, seed)
+                )
+                how = (
+                    "vLLM 0.32 CPU build sampling from the same tiny random Qwen3 (temperature "
+                    "1); run_episode + VLLMClient + ChatTemplater over HTTP"
+                )
+                label = "tiny random Qwen3 (real vLLM)"
+                rows.insert(
+                    1, summarize(label, how, recs, tokenizer, time.perf_counter() - started)
+                )
+                vllm_note = {"url": engine.url, "ready_s": round(engine.ready_s, 1)}
         rows += ngram_rows
     finally:
         for server in servers:
             stop_group(server.proc)
+        if starting is not None and not engines:
+            # Still starting (another row failed): let it come up, then stop it.
+            with contextlib.suppress(Exception):
+                engines = await starting
+        stop_engines(engines)
     params = {
         "quick": bool(args.quick),
         "seed": seed,
@@ -1082,6 +1119,7 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
         ),
         "chat_template": "routing/devserver/qwen_chat_template.jinja (Qwen2.5-style, Hermes tools)",
         "cores": os.cpu_count(),
+        "vllm": vllm_note,
     }
     return params, rows
 
@@ -1092,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of tasks and sampling")
     parser.add_argument("--model", type=Path, help="an existing tiny model directory to reuse")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--no-vllm", action="store_true", help="leave out the real-vLLM row")
     args = parser.parse_args(argv)
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
     started = time.perf_counter()

@@ -79,8 +79,11 @@ def test_every_benchmark_main_ends_by_printing_its_json() -> None:
         "dapo.py",
         "pipeline.py",
         "routing.py",
+        "routing_vllm.py",
         "tokens.py",
         "tools.py",
+        "train.py",
+        "weights.py",
     ]
     for path in BENCHMARKS:
         tree = ast.parse(path.read_text())
@@ -229,8 +232,15 @@ class FakeClient:
 
 
 @contextlib.contextmanager
-def fake_stack(*_args: Any) -> Iterator[SimpleNamespace]:
+def fake_stack_cm(*_args: Any) -> Iterator[SimpleNamespace]:
     yield SimpleNamespace(gateway_url="http://127.0.0.1:9", redis_url="redis://127.0.0.1:9/0")
+
+
+def fake_stack(*args: Any, vllm: bool = False) -> Any:
+    """A started stack, as `start` returns it; one with a real vLLM cannot start here."""
+    if vllm:
+        raise RuntimeError("cannot start vLLM: .vllm-venv has no vllm (run `make vllm`)")
+    return fake_stack_cm(*args)
 
 
 def test_pipeline_records_a_failed_celery_floor(
@@ -258,6 +268,10 @@ def test_pipeline_records_a_failed_celery_floor(
     assert result["celery_3hop_floor_p50_ms"] == {"failed": "TimeoutError: no answer within 30 s"}
     assert result["overhead_vs_celery_floor"] is None
     assert result["overhead_p50_ms"] == 40.0 and result["scaling_4_vs_1"] == 4.0
+    # No vLLM here: its row says why, and ours are still reported.
+    assert result["real_vllm"] == {
+        "failed": "RuntimeError: cannot start vLLM: .vllm-venv has no vllm (run `make vllm`)"
+    }
 
 
 # ----------------------------------------------------------------------------- dapo
