@@ -139,7 +139,7 @@ def resolve_agent(agent: AgentParams, settings: Settings) -> dict[str, Any]:
         resolved["max_seconds"] = agent.max_seconds
     if agent.max_staleness is not None:
         resolved["max_staleness"] = agent.max_staleness
-        resolved["on_stale"] = agent.on_stale
+        resolved["on_stale"] = agent.on_stale or "rerun"
     return resolved
 
 

@@ -155,10 +155,11 @@ class AgentParams(BaseModel):
     from a policy older than `current - max_staleness` is stale, where `current` is the
     newest policy version a backend has announced. Checked before every model call and when
     the episode ends. None: no bound (policy versions are still recorded per turn)."""
-    on_stale: Literal["rerun", "drop"] = "rerun"
-    """What a stale job does: `rerun` starts its episode again from the first turn on the
-    current policy (in a fresh sandbox when it has one; at most `MAX_STALE_RERUNS` times,
-    then it is dropped); `drop` ends it `failed` with error type `stale_policy`."""
+    on_stale: Literal["rerun", "drop"] | None = None
+    """What a stale job does: `rerun` (also when absent) starts its episode again from the
+    first turn on the current policy (in a fresh sandbox when it has one; at most
+    `MAX_STALE_RERUNS` times, then it is dropped); `drop` ends it `failed` with error type
+    `stale_policy`."""
 
 
 class RolloutRequest(BaseModel):

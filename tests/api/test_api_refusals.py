@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from api.app import create_app
+from broker.jobstore import JobStore
 from core.schemas import MAX_SEED, MAX_TASK_DEPTH, MAX_TOKENS
 from core.settings import Settings
 from tests.support.gateway import GOOD_TASK, field_locs, snapshot
@@ -178,6 +179,22 @@ def test_the_time_budget_is_positive_and_bounded(
     refused(http, redis_client, "/v1/rollouts", rollout(agent=over), "body.agent.max_seconds")
     fine = http.post("/v1/rollouts", json={"task": GOOD_TASK, "agent": {"max_seconds": 90}})
     assert fine.status_code == 202, fine.text
+
+
+def test_the_staleness_bound_is_checked_and_resolved(
+    http: httpx.Client, redis_client: redis.Redis
+) -> None:
+    for bad in (-1, 1.5, "1"):
+        agent = {"max_staleness": bad}
+        refused(
+            http, redis_client, "/v1/rollouts", rollout(agent=agent), "body.agent.max_staleness"
+        )
+    agent = {"max_staleness": 1, "on_stale": "keep"}
+    refused(http, redis_client, "/v1/rollouts", rollout(agent=agent), "body.agent.on_stale")
+    fine = http.post("/v1/rollouts", json={"task": GOOD_TASK, "agent": {"max_staleness": 0}})
+    assert fine.status_code == 202, fine.text
+    agent = JobStore(redis_client).get(fine.json()["job_id"]).agent
+    assert (agent["max_staleness"], agent["on_stale"]) == (0, "rerun")
 
 
 def test_every_samples_seed_must_fit_in_64_bits(
