@@ -4,6 +4,9 @@ stage functions run on a real Redis and backend pool; the backend is an in-memor
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +193,46 @@ def test_without_a_bound_versions_are_recorded_and_nothing_reruns(
     assert stages.init_stage(rt, job_id)
     assert stages.run_stage(rt, job_id)
     assert model_versions(rt, job_id) == [POLICY_VERSION, POLICY_VERSION + 5]
+
+
+def tool_call(name: str, **arguments: Any) -> str:
+    body = {"name": name, "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_stale_sandboxed_job_starts_again_in_a_fresh_box(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = {"data_source": "shell", "instruction": "Leave a mark.", "check": "true"}
+    spec = JobSpec(
+        task=task,
+        data_source="shell",
+        instance_id="mark",
+        sampling=SAMPLING,
+        agent={**AGENT, "max_turns": 4, "max_staleness": 0},
+        group_id="g-1",
+    )
+    rt.store.create_jobs([spec])
+    job_id = spec.job_id
+    script = [
+        # The first start marks its box; the weights change during that call.
+        Say(tool_call("bash", command="touch /workspace/mark && echo marked"), [50]),
+        # The second start finds no mark: its box is a new one.
+        Say(tool_call("bash", command="ls /workspace/mark || echo fresh-box"), [51]),
+        Say(tool_call("finish"), [52]),
+    ]
+    serve(rt, monkeypatch, script, bump_at(rt, {1: POLICY_VERSION + 1}))
+    assert stages.init_stage(rt, job_id)
+    first_box = rt.store.get(job_id).sandbox
+    assert first_box is not None
+    assert stages.run_stage(rt, job_id)
+    done = rt.store.trajectory(job_id)
+    assert done.stale_reruns == 1
+    observations = [t.text for t in done.turns if t.type == "env"]
+    assert any("fresh-box" in text for text in observations), observations
+    assert not any("marked" in text for text in observations)
+    second_box = rt.store.get(job_id).sandbox
+    assert second_box is not None and second_box["socket_path"] != first_box["socket_path"]
+    assert not Path(first_box["socket_path"]).exists()  # the stale start's box is gone
+    assert_slot_free(rt, job_id)
