@@ -177,7 +177,8 @@ def measure_vllm_overhead(work: Path, model: Path, jobs: int) -> dict[str, Any]:
         traj = client.submit_rollout(TASK, sampling=VLLM_SAMPLING, wait=True, timeout=300)
         assert isinstance(traj, Trajectory)
         figures["llm_p50_ms_one_call"] = round(1000 * traj.timing.llm, 1)
-        figures["generated_tokens"] = len(traj.response_ids)
+        figures["model_turns"] = sum(1 for t in traj.turns if t.type == "model")
+        figures["response_ids"] = len(traj.response_ids)
         return figures
 
 

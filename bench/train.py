@@ -12,7 +12,10 @@ seconds per step in each mode and their ratio, and the staleness of the async mo
 (steps between the weights that generated a turn and those it was trained into). It draws the
 reward curves, by step and by wall time, into `bench/figures/train.png`.
 
-    .venv/bin/python bench/train.py [--quick] [--steps N] [--ppo-epochs K]
+    .venv/bin/python bench/train.py [--quick] [--steps N] [--ppo-epochs K] [--backend-delay S]
+
+Here rollout and training share two cores, so running them at once gains little; with
+`--backend-delay` the inference time is spent waiting, as on a fleet of other machines.
 
 Needs the example installed (`make install` does it: `pip install -e examples/train`).
 """
@@ -52,7 +55,11 @@ def run_mode(
     settings = Settings(data_dir=data, port=free_port(), sandbox_dir=data / "boxes")
     options = StackOptions(
         workers={"init": 1, "run": args.run_workers, "eval": 1},
-        dev_backend=DevBackendOptions(model_dir=policy),
+        dev_backend=DevBackendOptions(model_dir=policy, delay=args.backend_delay),
+        # One compute thread per process, as the trainer has: with more threads than free
+        # cores, torch's OpenMP workers wait on each other, and the trainer and the server's
+        # model would slow each other down several times over.
+        env={"OMP_NUM_THREADS": "1"},
     )
     with Stack(settings, options).start() as stack:
         cfg = Config(
@@ -134,12 +141,19 @@ def draw(runs: Mapping[str, list[Any]], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 steps per mode")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--run-workers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend-delay",
+        type=float,
+        default=0.0,
+        help="seconds the development server waits before each answer: inference that runs "
+        "elsewhere (a GPU fleet), whose time does not take this machine's cores",
+    )
     parser.add_argument("--figure", type=Path, default=FIGURE)
     args = parser.parse_args(argv)
     if args.quick:
