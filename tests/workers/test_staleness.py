@@ -236,3 +236,7 @@ def test_a_stale_sandboxed_job_starts_again_in_a_fresh_box(
     assert second_box is not None and second_box["socket_path"] != first_box["socket_path"]
     assert not Path(first_box["socket_path"]).exists()  # the stale start's box is gone
     assert_slot_free(rt, job_id)
+    # EVAL grades in the second box, and stops it.
+    assert stages.eval_stage(rt, job_id) is False
+    assert rt.store.trajectory(job_id).status is JobStatus.completed
+    assert not Path(second_box["socket_path"]).exists()
