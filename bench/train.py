@@ -73,6 +73,7 @@ def run_mode(
             mode=mode,
             max_staleness=1,
             seed=args.seed,
+            decoupled=not args.plain_ppo,
         )
 
         return train(cfg, lambda row: print(f"{mode:>5} {describe(row)}", flush=True))
@@ -147,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--run-workers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--plain-ppo",
+        action="store_true",
+        help="clip against the service's logprobs (plain PPO) instead of decoupled PPO",
+    )
     parser.add_argument(
         "--backend-delay",
         type=float,

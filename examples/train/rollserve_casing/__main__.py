@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--plain-ppo",
+        action="store_true",
+        help="clip against the service's logprobs (not decoupled)",
+    )
     args = parser.parse_args(argv)
     policy = make_policy(args.base_model.resolve(), (args.work_dir / "start").resolve())
     cfg = Config(
@@ -32,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode,
         max_staleness=args.max_staleness,
         seed=args.seed,
+        decoupled=not args.plain_ppo,
     )
 
     stats = train(cfg, lambda row: print(describe(row), flush=True))

@@ -7,6 +7,8 @@ the REST API; rollserve's EVAL grades every sample. Advantages are group-normali
 against the logprobs the service returned (the policy that actually generated each token, as
 its `policy_version` says), so tokens from older weights are weighted correctly; averaged over
 the loss mask's tokens; optionally plus `kl` times a k3 estimate of KL to the starting policy.
+By default the objective is decoupled PPO (AReaL's): the clip is taken against the trainer's
+policy as the step began, and the service's logprobs enter as a capped importance weight.
 After the step the new weights are saved and `update_weights` switches every backend to them
 (drain, load, resume with `policy_version` = the step count).
 
@@ -49,6 +51,13 @@ class Config:
     ppo_epochs: int = 1
     """Optimizer updates per batch (each one step of the same policy version); the ratio
     against the service's logprobs and its clipping keep the later ones close."""
+    decoupled: bool = True
+    """Decoupled PPO (as AReaL): clip against the trainer's own policy as the batch found it
+    (the proximal policy), and weight each token by proximal over behaviour probability (the
+    service's logprobs), capped at `behaviour_cap`. Plain PPO clips against the behaviour
+    policy itself, so tokens from older weights start outside the trust region and give no
+    gradient, and off-policy batches learn less per step."""
+    behaviour_cap: float = 5.0
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1
     on_stale: Literal["rerun", "drop"] = "rerun"
@@ -153,26 +162,40 @@ class Trainer:
         used = [t for t in trajectories if t.status is JobStatus.completed and t.response_ids]
         if not used:
             return 0.0
-        deviations = [self._update(used) for _ in range(self.cfg.ppo_epochs)]
+        proximal = None
+        if self.cfg.decoupled:
+            with self.torch.no_grad():
+                rows = [(t.prompt_ids, t.response_ids) for t in used]
+                proximal, _ = token_logprobs(self.model, rows, self.pad)
+        deviations = [self._update(used, proximal) for _ in range(self.cfg.ppo_epochs)]
         self.version += 1
         return deviations[0]
 
-    def _update(self, used: list[Trajectory]) -> float:
+    def _update(self, used: list[Trajectory], proximal: Any = None) -> float:
         torch = self.torch
         rows = [(t.prompt_ids, t.response_ids) for t in used]
         logp, pad_mask = token_logprobs(self.model, rows, self.pad)
         span = logp.shape[1]
-        old = torch.zeros_like(logp)
+        behaviour = torch.zeros_like(logp)
         mask = torch.zeros_like(logp)
         for i, t in enumerate(used):
             n = len(t.response_ids)
-            old[i, :n] = torch.tensor([lp or 0.0 for lp in t.logprobs[:n]])
+            behaviour[i, :n] = torch.tensor([lp or 0.0 for lp in t.logprobs[:n]])
             mask[i, :n] = torch.tensor(t.loss_mask[:n], dtype=torch.float32)
         mask = mask * pad_mask
         adv = torch.tensor(advantages(used)).unsqueeze(1).expand(-1, span)
-        ratio = torch.exp((logp - old) * mask)
+        deviation = torch.exp((logp.detach() - behaviour) * mask)
+        weight = torch.ones_like(logp)
+        anchor = behaviour
+        if proximal is not None:
+            anchor = proximal
+            weight = torch.exp((proximal - behaviour) * mask)
+            # Tokens whose behaviour probability is far below the proximal one are too
+            # stale to correct: left out, as AReaL does past its cap.
+            mask = mask * (weight <= self.cfg.behaviour_cap).float()
+        ratio = torch.exp((logp - anchor) * mask)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip, 1 + self.cfg.clip)
-        surrogate = torch.minimum(ratio * adv, clipped * adv)
+        surrogate = torch.minimum(ratio * adv, clipped * adv) * weight
         tokens = mask.sum().clamp(min=1.0)
         loss = -(surrogate * mask).sum() / tokens
         if self.reference is not None:
@@ -183,7 +206,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        return float(((ratio.detach() - 1).abs() * mask).max())
+        return float(((deviation - 1).abs() * mask).max())
 
     def save(self, path: Path) -> Path:
         self.model.save_pretrained(path)
