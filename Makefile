@@ -12,20 +12,23 @@ VLLM_STAMP := $(VLLM_VENV)/rollserve-vllm.json
 install: $(STAMP) system-deps
 
 # bubblewrap runs the sandboxes; slirp4netns and nftables give a box with network its own
-# namespace behind the egress proxy; tmux is the baseline of bench/tools.py. Installed when
-# missing and we are root; otherwise the tests that need them skip and say why.
+# namespace behind the egress proxy; tmux is the baseline of bench/tools.py; slurm-wlm and
+# munge run the one-node Slurm cluster of the tests marked `slurm`. Installed when missing
+# and we are root; otherwise the tests that need them skip and say why.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	command -v slirp4netns >/dev/null || missing="$$missing slirp4netns"; \
 	PATH="$$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || missing="$$missing nftables"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	PATH="$$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
+	PATH="$$PATH:/usr/sbin:/sbin" command -v munged >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null \
-	      || echo "could not install$$missing: sandbox tests will skip"; \
-	  else echo "missing$$missing (apt-get install$$missing): sandbox tests will skip"; fi; \
+	      || echo "could not install$$missing: sandbox and Slurm tests will skip"; \
+	  else echo "missing$$missing (apt-get install$$missing): sandbox and Slurm tests will skip"; fi; \
 	fi
 
 # torch is installed first and pinned: pip then never reaches for a CUDA build.

@@ -137,7 +137,7 @@ def build_services(settings: Settings) -> Services:
     )
     return Services(
         settings=settings,
-        store=JobStore(client, settings.key_prefix, settings.job_ttl),
+        store=JobStore.for_settings(client, settings),
         pool=BackendPool(client, settings.key_prefix),
         celery=create_celery(settings, settings.redis_url),
     )

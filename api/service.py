@@ -384,7 +384,16 @@ def _recover(svc: Services, batch_id: str) -> None:
 def wait_for_job(svc: Services, job_id: str, timeout: float) -> Trajectory:
     """The job's trajectory once it has finished, or as it is after `timeout` seconds."""
     svc.store.wait(job_id, min(timeout, svc.settings.max_wait_seconds))
-    return svc.store.trajectory(job_id)
+    return deliver(svc, job_id)
+
+
+def deliver(svc: Services, job_id: str) -> Trajectory:
+    """The job's trajectory as the caller gets it; a finished one counts as delivered, so its
+    record leaves Redis soon (later reads find it in the results store)."""
+    trajectory = svc.store.trajectory(job_id)
+    if trajectory.status.terminal:
+        svc.store.delivered(job_id)
+    return trajectory
 
 
 def resume_point(svc: Services, batch_id: str, after: str | None) -> str | None:
@@ -414,7 +423,8 @@ def stream_results(svc: Services, batch_id: str, after: str | None = None) -> It
     """NDJSON lines: every finished trajectory of the batch as it finishes (for a dynamic batch:
     the jobs of each accepted group as it is accepted, ending once the batch is done), each
     with its `cursor`, from the line after stream entry `after` (see `resume_point`); a blank
-    keep-alive line after each second without news."""
+    keep-alive line after each second without news. A line is delivered once the stream
+    goes on past it (see `deliver`)."""
     dynamic = svc.store.is_dynamic(batch_id)
     idle = 0
     for item in svc.store.iter_results(batch_id, after):
@@ -426,3 +436,4 @@ def stream_results(svc: Services, batch_id: str, after: str | None = None) -> It
             continue
         entry_id, job_id = item
         yield result_line(batch_id, entry_id, svc.store.trajectory(job_id))
+        svc.store.delivered(job_id)  # the server took the line and asks for the next

@@ -20,9 +20,17 @@ def node_queue(stage: str, node: str) -> str:
     return f"{stage}.{node}"
 
 
-def worker_queues(stage: str, node: str) -> list[str]:
+def worker_queues(stage: str, node: str, node_only: bool = False) -> list[str]:
     """What a `stage` worker on `node` consumes: the shared queue, and for RUN and EVAL the
-    node's own, which holds the jobs whose sandbox INIT started here."""
+    node's own, which holds the jobs whose sandbox INIT started here.
+
+    `node_only` (RUN and EVAL): the node's queue alone, for a worker that serves the boxes
+    of its node and leaves sandbox-free jobs to the shared fleet.
+    """
+    if node_only:
+        if stage == "init":
+            raise ValueError("INIT has no node queue: every INIT takes the shared queue `init`")
+        return [node_queue(stage, node)]
     return [stage] if stage == "init" else [stage, node_queue(stage, node)]
 
 

@@ -114,7 +114,21 @@ class Settings(BaseSettings):
     result_expires: int = 86400
     """Seconds Celery keeps task results; job records expire after `job_ttl`."""
     job_ttl: int = 7 * 86400
-    """Seconds a finished job's record and trajectory stay in Redis."""
+    """Seconds a job's record stays in Redis (a finished job's, until it is delivered)."""
+    results_dir: Path | None = None
+    """Where finished trajectories are kept once they leave Redis (JSON Lines by batch and
+    hour). Unset: `results` under `data_dir`. Every worker and gateway must see the same one
+    (a shared file system), unless `results_url` is set."""
+    results_url: str | None = None
+    """`s3://bucket/prefix`: keep finished trajectories in an S3-compatible bucket instead of
+    `results_dir` (needs the `s3` extra; credentials from the usual AWS settings)."""
+    results_s3_endpoint: str | None = None
+    """The S3 endpoint URL, for a server other than AWS (MinIO, Ceph...)."""
+    results_keep: int = Field(default=7 * 86400, ge=3600)
+    """Seconds finished trajectories are kept in the results store (pruned by the hour)."""
+    results_stub_ttl: int = Field(default=600, ge=1)
+    """Seconds a finished job's record stays in Redis once its trajectory was delivered (read
+    by `GET /v1/rollouts/{id}` or streamed past); later reads find it in the results store."""
 
     backend_timeout: float = 600.0
     """Seconds one inference request may take."""
@@ -172,6 +186,12 @@ class Settings(BaseSettings):
     cancel_grace: float = Field(default=1.0, ge=0.0)
     """Seconds a cancelled job's running stage gets to stop by itself (RUN notices within one
     turn) before it is terminated (Celery revoke with terminate, which costs a pool process)."""
+    jobs_poll: float = Field(default=0.5, gt=0.0)
+    """Seconds between the checks a many-jobs RUN worker (`--jobs N`) makes of whether its
+    in-flight jobs are still live (one batched read for all of them)."""
+    jobs_grace: float = Field(default=10.0, ge=0.0)
+    """Seconds a cancelled job's task on a many-jobs RUN worker may take to stop before it is
+    reported as ignoring cancellation."""
     reap_interval: float = 30.0
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0
@@ -190,6 +210,20 @@ class Settings(BaseSettings):
     counts); past it the job fails."""
     max_seconds_limit: float = Field(default=86400.0, gt=0)
     """Largest `agent.max_seconds` (a job's time budget across its stages) a request may ask."""
+
+    # `rollserve autoscale`: the fleet autoscaler (deploy/autoscale).
+    autoscale_interval: float = Field(default=5.0, gt=0)
+    """Seconds between the autoscaler's decisions."""
+    autoscale_concurrency: int = Field(default=1, ge=1)
+    """Prefork processes (jobs at once) of each worker the autoscaler starts."""
+    autoscale_target_busy_share: float = Field(default=0.8, gt=0, le=1)
+    """Share of the workers' slots that waiting and running jobs should fill: the
+    autoscaler starts workers until they do."""
+    autoscale_scale_out_cooldown: float = Field(default=10.0, ge=0)
+    """Seconds after the autoscaler started workers on a queue before it starts more."""
+    autoscale_scale_in_cooldown: float = Field(default=60.0, ge=0)
+    """Seconds demand must stay low, and since the last change, before the autoscaler
+    stops workers of a queue (each by warm shutdown: it finishes its jobs)."""
     sandbox_egress_allow: str | None = None
     """Hosts a sandbox with network may ever connect to: comma-separated host names and
     suffix patterns (`pypi.org,*.pythonhosted.org`), each with an optional `:port` (without
@@ -318,6 +352,11 @@ class Settings(BaseSettings):
     def swe_repo_root_list(self) -> tuple[Path, ...]:
         """`swe_repo_roots` as paths, symlinks resolved (empty when unset)."""
         return tuple(Path(os.path.realpath(root)) for root in _split_roots(self.swe_repo_roots))
+
+    @property
+    def results_path(self) -> Path:
+        """`results_dir`, or `results` under the data directory."""
+        return self.results_dir or self.data_dir / "results"
 
     @property
     def longest_hard_limit(self) -> float:

@@ -57,6 +57,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"rollserve up: --model {args.model}: no config.json there", file=sys.stderr)
         return 2
 
+    if args.run_jobs is not None and args.run_jobs < 1:
+        print(f"rollserve up: --run-jobs must be at least 1, not {args.run_jobs}", file=sys.stderr)
+        return 2
     options = StackOptions(
         workers={"init": args.init_workers, "run": args.run_workers, "eval": args.eval_workers},
         backends=list(args.backend or []),
@@ -64,6 +67,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         flower_port=args.flower_port,
         flower_address=args.flower_address,
         gateway_port=args.port,
+        run_jobs=args.run_jobs or 0,
     )
     if args.engine == "vllm":
         try:
@@ -128,15 +132,13 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.redis_url:
         print("rollserve worker: set ROLLSERVE_REDIS_URL to the stack's Redis", file=sys.stderr)
         return 2
-    from broker.celery_app import get_celery, worker_queues
+    from broker.celery_app import get_celery
 
-    queues = ",".join(worker_queues(args.queue, settings.node_name))
-    argv = ["worker", "-Q", queues, "-P", "prefork", "-E", "--loglevel", args.loglevel]
-    argv += ["-n", args.hostname or f"{args.queue}-{os.getpid()}@{settings.node_name}"]
-    if args.concurrency:
-        argv += ["--concurrency", str(args.concurrency)]
-    if args.autoscale:
-        argv += ["--autoscale", args.autoscale]
+    problem = worker_options_problem(args)
+    if problem:
+        print(f"rollserve worker: {problem}", file=sys.stderr)
+        return 2
+    argv = worker_argv(args, settings)
     from celery.bin.celery import celery as celery_command
 
     get_celery()  # fails early, naming the setting, without ROLLSERVE_REDIS_URL
@@ -145,6 +147,48 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     # its supervisor (systemd) restarts it.
     celery_command.main(args=["-A", "broker.worker_app", *argv], prog_name="celery")
     return 0
+
+
+def worker_argv(args: argparse.Namespace, settings: Settings) -> list[str]:
+    """The `celery worker` arguments of a `rollserve worker` command line that
+    `worker_options_problem` accepts."""
+    from broker.celery_app import worker_queues
+    from workers.jobpool import use_jobs_pool
+
+    node_only = bool(getattr(args, "node_only", False))
+    queues = ",".join(worker_queues(args.queue, settings.node_name, node_only=node_only))
+    # Many jobs per process (RUN only): Celery's threads pool, each thread's episode on the
+    # process's shared event loop (workers.jobsloop); INIT and EVAL are CPU-bound: prefork.
+    pool = [*use_jobs_pool(), "-c", str(args.jobs)] if args.jobs else ["-P", "prefork"]
+    argv = ["worker", "-Q", queues, *pool, "-E", "--loglevel", args.loglevel]
+    argv += ["-n", args.hostname or f"{args.queue}-{os.getpid()}@{settings.node_name}"]
+    if args.concurrency:
+        argv += ["--concurrency", str(args.concurrency)]
+    if args.autoscale:
+        argv += ["--autoscale", args.autoscale]
+    return argv
+
+
+def worker_options_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a `rollserve worker` command line, or None."""
+    if getattr(args, "node_only", False) and args.queue == "init":
+        return "--node-only is for RUN and EVAL workers: INIT has no node queue (all take `init`)"
+    jobs = getattr(args, "jobs", None)
+    if jobs is None:
+        return None
+    if args.queue != "run":
+        return f"--jobs is for RUN workers only; {args.queue} work is CPU-bound (use --concurrency)"
+    if jobs < 1:
+        return f"--jobs must be at least 1, not {jobs}"
+    if args.concurrency or args.autoscale:
+        return "--jobs sets how many jobs the process holds; drop --concurrency and --autoscale"
+    return None
+
+
+def cmd_autoscale(args: argparse.Namespace, settings: Settings) -> int:
+    from deploy.autoscale.command import run
+
+    return run(args, settings)
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
@@ -298,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--dev-backend", action="store_true", help="also start the development server")
     up.add_argument(
+        "--run-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="one RUN worker holding up to N jobs on an event loop (instead of prefork)",
+    )
+    up.add_argument(
         "--engine",
         choices=ENGINES,
         default="dev",
@@ -328,9 +379,30 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=None)
     worker.add_argument("--autoscale", default=None, metavar="MAX,MIN")
     worker.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="RUN only: hold up to N jobs in this one process, their agent loops on one "
+        "event loop (instead of one prefork process per job)",
+    )
+    worker.add_argument(
+        "--node-only",
+        action="store_true",
+        help="RUN and EVAL only: consume this node's queue (QUEUE.<ROLLSERVE_NODE_NAME>, the "
+        "jobs whose sandbox INIT started here) and not the shared one",
+    )
+    worker.add_argument(
         "--hostname", default=None, help="Celery node name (default QUEUE-PID@host)"
     )
     worker.add_argument("--loglevel", default="INFO")
+
+    autoscale = sub.add_parser(
+        "autoscale", help="size the worker fleets from their queues (local, Slurm, Kubernetes)"
+    )
+    from deploy.autoscale.command import add_arguments as add_autoscale_arguments
+
+    add_autoscale_arguments(autoscale)
 
     gateway = sub.add_parser("gateway", help="the REST gateway alone")
     gateway.add_argument("--host", default=None)
@@ -365,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "up": cmd_up,
     "worker": cmd_worker,
+    "autoscale": cmd_autoscale,
     "gateway": cmd_gateway,
     "submit": cmd_submit,
     "status": cmd_status,

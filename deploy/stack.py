@@ -28,6 +28,7 @@ from broker.processes import free_port, spawn, stop_group, wait_for_port
 from core.settings import Settings
 from deploy.engine import VllmOptions, usable_vllm, vllm_argv, vllm_env, wait_served
 from deploy.supervisor import Backoff, Supervisor
+from workers.jobpool import POOL_CLASS, POOL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ class DevBackendOptions:
     script: Path | None = None
     port: int | None = None
     delay: float = 0.0
+    delay_max: float | None = None
+    """With it, each request waits a uniformly drawn time from `delay` to this."""
+    unscored: bool = False
+    """Scripted answers with made-up logprobs and no model loaded (load tests)."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -70,6 +75,9 @@ class DevBackendOptions:
 class StackOptions:
     workers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QUEUES, 1))
     """Worker processes (prefork concurrency) per queue."""
+    run_jobs: int = 0
+    """With N > 0, the RUN worker holds up to N jobs in one process, their episodes on one
+    event loop (`rollserve worker run --jobs N`), instead of `workers["run"]` processes."""
     dev_backend: DevBackendOptions | None = None
     vllm: VllmOptions | None = None
     """A real vLLM server to start, wait for and register (`rollserve up --engine vllm`)."""
@@ -142,7 +150,9 @@ class Stack:
         if self.options.vllm is not None:
             self._start_vllm(self.options.vllm)
         for queue, concurrency in self.options.workers.items():
-            if concurrency > 0:
+            if queue == "run" and self.options.run_jobs > 0:
+                self.start_worker(queue, 1, jobs=self.options.run_jobs)
+            elif concurrency > 0:
                 self.start_worker(queue, concurrency)
         self._start_gateway()
         if self.options.flower:
@@ -248,6 +258,10 @@ class Stack:
             argv += ["--script", str(opts.script)]
         if opts.delay:
             argv += ["--delay", str(opts.delay)]
+        if opts.delay_max is not None:
+            argv += ["--delay-max", str(opts.delay_max)]
+        if opts.unscored:
+            argv += ["--unscored"]
         argv += opts.extra_args
         proc = self._spawn("dev-backend", argv)
         # First start may build the tiny model (a few seconds) before it listens.
@@ -286,8 +300,10 @@ class Stack:
         concurrency: int,
         name: str | None = None,
         env: dict[str, str] | None = None,
+        jobs: int = 0,
     ) -> str:
-        """Start a prefork worker on `queue`; returns its child name (for `kill_worker`).
+        """Start a prefork worker on `queue` (with `jobs` > 0, a RUN worker holding that many
+        jobs on one event loop); returns its child name (for `kill_worker`).
 
         `env` overrides settings for this worker alone, e.g. another `ROLLSERVE_NODE_NAME`
         and `ROLLSERVE_SANDBOX_DIR` to play a second worker host.
@@ -298,10 +314,13 @@ class Stack:
         child = name or f"worker-{queue}-{len(self.worker_names)}"
         argv = [
             sys.executable, "-m", "celery", "-A", "broker.worker_app", "worker",
-            "-Q", ",".join(worker_queues(queue, node_name)), "-P", "prefork",
-            "-c", str(concurrency), "-n", celery_node,
+            "-Q", ",".join(worker_queues(queue, node_name)),
+            "-P", "custom" if jobs > 0 else "prefork",
+            "-c", str(jobs if jobs > 0 else concurrency), "-n", celery_node,
             "-E", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
         ]  # fmt: skip
+        if jobs > 0:
+            env = {**env, POOL_ENV: POOL_CLASS}
         self._spawn(child, argv, env)
         self.worker_names[child] = celery_node
         return child

@@ -25,6 +25,10 @@ from tenacity import (
 
 from routing.protocol import Completion, normalize_finish_reason
 
+CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+"""One worker process may have a thousand requests in flight to one server (`--jobs N`):
+httpx's default of 100 connections would queue the rest behind them."""
+
 
 class BackendError(Exception):
     """An inference server failed or refused a request.
@@ -157,7 +161,9 @@ class HTTPBackend:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._owns_http = http is None
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=10.0), limits=CONNECTION_LIMITS
+        )
         self._max_model_len: int | None = None
         """The server's context length once asked (see `max_model_len`)."""
         self.refused_from: int | None = None

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,7 +71,7 @@ async def run_episode(
     policy: PolicyClient,
     templater: Templater,
     limits: Limits,
-    on_turn: Callable[[TrajectoryBuilder], None] = lambda _b: None,
+    on_turn: Callable[[TrajectoryBuilder], Awaitable[None] | None] = lambda _b: None,
     runner: ToolRunner | None = None,
 ) -> Episode:
     """Run the multi-turn loop until an answer, `max_turns`, a budget or the context ends it.
@@ -86,7 +87,8 @@ async def run_episode(
     With `tools` declared, the turn's `<tool_call>` blocks are run on `runner` and their
     results appended as tool messages; a malformed call becomes an error message the model
     reads, and is counted. A turn without calls goes to the handler's `step`.
-    `on_turn` sees the builder after every turn, so a partial trajectory can be saved.
+    `on_turn` sees the builder after every turn, so a partial trajectory can be saved (what
+    it returns is awaited when awaitable: a save made on a thread).
     """
     declared = {t.get("function", t).get("name") for t in tools or []}
     prompt = await templater.prompt_ids(messages, tools)
@@ -143,7 +145,7 @@ async def run_episode(
         model_turn.backend_id = completion.backend_id
         model_turn.policy_version = completion.policy_version
         builder.malformed_tool_calls += len(parsed.errors)
-        on_turn(builder)
+        await _saved(on_turn(builder))
 
         if completion.finish_reason == "length":
             # A call cut by its own max_tokens is one truncated turn; the episode goes on.
@@ -177,7 +179,7 @@ async def run_episode(
             tool_seconds=step_seconds,
         )
         model_turn.turn_seconds = time.perf_counter() - turn_started
-        on_turn(builder)
+        await _saved(on_turn(builder))
     return Episode(builder, "max_turns", truncated=False)
 
 
@@ -223,3 +225,8 @@ async def _run_calls(
                 content = f"Error: {getattr(exc, 'message', None) or exc}"
         replies.append({"role": "tool", "content": content})
     return replies, False
+
+
+async def _saved(result: Awaitable[None] | None) -> None:
+    if inspect.isawaitable(result):
+        await result

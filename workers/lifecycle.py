@@ -135,6 +135,11 @@ def on_revoked(sender: Any = None, request: Any = None, terminated: bool = False
     started = time.monotonic()
     try:
         rt = get_runtime()
+        if terminated and rt.runs_many:
+            # The stage runs on a thread of this process, and terminating it cancelled its
+            # episode (`workers.jobpool`): it unwinds within moments and `tracked` frees what
+            # it holds, as for any cancelled stage. Nothing to wait for here.
+            return
         active = rt.store.active_stage(job_id)
         if terminated and active is not None and active[0] == task_id:
             wait_stopped(rt, job_id, task_id, active[1])

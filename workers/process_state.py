@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Coroutine
+import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from celery import Celery
@@ -23,6 +25,7 @@ from routing.pool import BackendPool
 from routing.protocol import InferenceClient
 from workers.dispatch import Dispatcher
 from workers.holdings import free
+from workers.jobsloop import JobsLoop
 
 T = TypeVar("T")
 
@@ -40,9 +43,23 @@ class Runtime:
     _dispatcher: Dispatcher | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _clients: dict[str, tuple[str, InferenceClient, ChatTemplater]] = field(default_factory=dict)
+    _jobs: JobsLoop | None = None
+    _jobs_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on this process's event loop; one broken by an interrupt is replaced."""
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        job_id: str | None = None,
+        time_limit: float | None = None,
+    ) -> T:
+        """Run `coro` on this process's event loop; one broken by an interrupt is replaced.
+
+        Called for a job from a pool thread (`rollserve worker run --jobs N`), `coro` runs as
+        that job's task on the process's shared jobs loop instead (`workers.jobsloop`), which
+        enforces `time_limit` and cancels it when the job ends."""
+        if job_id is not None and shares_loop():
+            return self.jobs.run(coro, job_id, time_limit)
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
         try:
@@ -52,9 +69,36 @@ class Runtime:
             self._discard_loop()
             raise
 
+    @property
+    def jobs(self) -> JobsLoop:
+        """The shared event loop of the jobs this process runs at once (made on first use)."""
+        with self._jobs_lock:
+            if self._jobs is None:
+                self._jobs = JobsLoop(
+                    self.store.live,
+                    poll=self.settings.jobs_poll,
+                    grace=self.settings.jobs_grace,
+                )
+            return self._jobs
+
+    @property
+    def runs_many(self) -> bool:
+        """Whether this process runs many jobs at once on a shared loop."""
+        return self._jobs is not None
+
+    def live_check(self, job_id: str) -> Callable[[], bool]:
+        """How a running request asks whether its job is live: from the jobs loop's watch
+        (no Redis read) when jobs share a loop, else a read of the job's status."""
+        if shares_loop():
+            return partial(self.jobs.is_live, job_id)
+        return partial(self.job_live, job_id)
+
     def policy(self, backend: Backend) -> tuple[InferenceClient, ChatTemplater]:
-        """The client and templater of `backend`, rebuilt if its URL, API or model changed."""
+        """The client and templater of `backend`, rebuilt if its URL, API or model changed
+        (or it was made on another event loop)."""
         key = f"{backend.kind}|{backend.api}|{backend.url}|{backend.model}|{backend.tokenizer}"
+        with contextlib.suppress(RuntimeError):
+            key += f"|{id(asyncio.get_running_loop())}"
         cached = self._clients.get(backend.id)
         if cached is None or cached[0] != key:
             client = make_client(
@@ -127,11 +171,27 @@ class Runtime:
                 loop.close()
 
 
+def shares_loop() -> bool:
+    """Whether a stage called here runs its episode on the shared jobs loop: it was called
+    from a pool thread (the threads pool of `--jobs N`), not a process's main thread (prefork
+    children run their task there)."""
+    return threading.current_thread() is not threading.main_thread()
+
+
 _runtime: tuple[int, Runtime] | None = None
+_runtime_lock = threading.Lock()
 
 
 def get_runtime() -> Runtime:
     """This process's runtime (made after fork: every prefork child builds its own)."""
+    current = _runtime
+    if current is not None and current[0] == os.getpid():
+        return current[1]
+    with _runtime_lock:
+        return _make_runtime()
+
+
+def _make_runtime() -> Runtime:
     global _runtime
     if _runtime is None or _runtime[0] != os.getpid():
         settings = get_settings()
@@ -142,7 +202,7 @@ def get_runtime() -> Runtime:
             os.getpid(),
             Runtime(
                 settings=settings,
-                store=JobStore(client, settings.key_prefix, settings.job_ttl),
+                store=JobStore.for_settings(client, settings),
                 pool=BackendPool(client, settings.key_prefix, settings.health_failures),
             ),
         )

@@ -97,6 +97,7 @@ class RoutedPolicy:
         failovers: int = 3,
         poll: float = POLL_SECONDS,
         max_staleness: int | None = None,
+        offload: bool = False,
     ) -> None:
         self.pool = pool
         self.job_id = job_id
@@ -114,10 +115,19 @@ class RoutedPolicy:
         self.moves = 0
         self._requests = 0
         self.max_staleness = max_staleness
+        self.offload = offload
+        """Make the pool's Redis calls on a thread, not on the event loop: where one loop
+        runs many jobs (`workers.jobsloop`), a blocking call would stall all of them."""
         self.oldest_version: int | None = None
         """The oldest policy version among the turns generated so far."""
 
     # ------------------------------------------------------------------ routing
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (a call to the pool's Redis), on a thread when offloading."""
+        if self.offload:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     def _check_live(self) -> None:
         if not self.is_live():
@@ -131,7 +141,7 @@ class RoutedPolicy:
             if self.job_key is None:
                 self._check_live()
             try:
-                route = self.pool.route(self.job_id, self.job_key, self.final)
+                route = await self._io(self.pool.route, self.job_id, self.job_key, self.final)
             except JobEnded:
                 raise JobCancelled(f"job {self.job_id} is no longer live") from None
             except NoHealthyBackendError:
@@ -149,7 +159,7 @@ class RoutedPolicy:
                 if backend.policy_version != route.policy_version:
                     backend = backend.model_copy(update={"policy_version": route.policy_version})
             else:
-                backend = self.pool.get(route.backend_id)
+                backend = await self._io(self.pool.get, route.backend_id)
                 if backend is None:  # removed just now: route again
                     continue
             if route.moved:
@@ -174,6 +184,13 @@ class RoutedPolicy:
                     with contextlib.suppress(Exception):
                         await on_cancel()
                     raise JobCancelled(f"job {self.job_id} was cancelled during a request")
+        except asyncio.CancelledError:
+            # The job's own task was cancelled (a many-jobs worker ends jobs so): the engine
+            # is told too, as it is when the poll finds the job ended.
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(on_cancel(), timeout=5)
+            raise
         finally:
             if not task.done():
                 task.cancel()
@@ -195,7 +212,7 @@ class RoutedPolicy:
                 if not exc.retryable or attempt >= self.failovers:
                     raise
                 attempt += 1
-                self.pool.mark_dead(backend.id)
+                await self._io(self.pool.mark_dead, backend.id)
                 log.warning(
                     "job %s lost backend %s (%s); marked it dead and re-sending elsewhere",
                     self.job_id,
@@ -210,7 +227,8 @@ class RoutedPolicy:
 
         async def call(backend: Backend, client: Any, _t: ChatTemplater) -> Completion:
             if self.max_staleness is not None:
-                self.check_staleness(backend.policy_version)
+                current = await self._io(self.pool.current_version)
+                self.check_staleness(backend.policy_version, current)
             self._requests += 1
             request_id = f"{self.job_id}-{self._requests}"
             try:
@@ -224,7 +242,7 @@ class RoutedPolicy:
                     lambda: client.abort(request_id),
                 )
             finally:
-                self.pool.request_done(self.job_id)
+                await self._io(self.pool.request_done, self.job_id)
             completion.backend_id = backend.id
             completion.policy_version = version = backend.policy_version
             if version is not None and (
@@ -235,13 +253,16 @@ class RoutedPolicy:
 
         return await self._with_failover(call)
 
-    def check_staleness(self, next_version: int | None = None) -> None:
+    def check_staleness(self, next_version: int | None = None, current: int | None = None) -> None:
         """Raise `StalePolicy` if the turns so far, with one more from `next_version`, are
-        older than `max_staleness` allows (one Redis read; nothing without a bound)."""
+        older than `max_staleness` allows against the `current` version (read from the pool,
+        one Redis read, when not given; nothing without a bound)."""
         if self.max_staleness is None:
             return
         versions = (self.oldest_version, next_version)
-        check_staleness(self.job_id, versions, self.pool.current_version(), self.max_staleness)
+        if current is None:
+            current = self.pool.current_version()
+        check_staleness(self.job_id, versions, current, self.max_staleness)
 
     def first_refused(self, ids: list[int]) -> int | None:
         """The first of `ids` the job's backend is known to refuse in a prompt (outside its

@@ -6,9 +6,10 @@ final result is recorded (the job store's `finish` is exactly-once).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from workers.agent import Episode, Limits, run_episode
 from workers.freshshell import FreshShell
 from workers.handlers.base import Handler
 from workers.handlers.registry import get_handler
-from workers.process_state import Runtime
+from workers.process_state import Runtime, shares_loop
 from workers.routed_policy import JobCancelled, RoutedPolicy, StalePolicy
 from workers.trajectory import TrajectoryBuilder
 
@@ -167,24 +168,32 @@ def _run_episode(
         rt.pool,
         job_id,
         rt.policy,
-        is_live=lambda: rt.job_live(job_id),
+        is_live=rt.live_check(job_id),
         job_key=rt.store.job_key(job_id),
         final=[status.value for status in TERMINAL_STATUSES],
         backend_wait=rt.settings.backend_wait,
         failovers=rt.settings.backend_failovers,
         max_staleness=record.agent.get("max_staleness"),
+        offload=shares_loop(),
     )
     trajectory = rt.store.skeleton(record)
     trajectory.status = JobStatus.run
     trajectory.stale_reruns = reruns
 
-    def save(builder: TrajectoryBuilder) -> None:
+    def save(builder: TrajectoryBuilder) -> Awaitable[None] | None:
         builder.fill(trajectory)
         _stamp_backend(trajectory, routed)
+        if routed.offload:  # many jobs share the loop: Redis on a thread, not on the loop
+            return _on_thread(rt.store.save_partial, job_id, trajectory)
         rt.store.save_partial(job_id, trajectory)
+        return None
 
     try:
-        episode = rt.run(_episode_with_tools(record, handler, routed, limits, save))
+        episode = rt.run(
+            _episode_with_tools(record, handler, routed, limits, save),
+            job_id=job_id,
+            time_limit=rt.settings.run_soft_time_limit,
+        )
         routed.check_staleness()  # the bound holds until the episode's end, not only per turn
     except JobCancelled:
         rt.release_sandbox(job_id)
@@ -201,6 +210,10 @@ def _run_episode(
     return episode, trajectory
 
 
+async def _on_thread(fn: Callable[..., Any], *args: Any) -> None:
+    await asyncio.to_thread(fn, *args)
+
+
 def _stamp_backend(trajectory: Trajectory, routed: RoutedPolicy) -> None:
     """The trajectory's backend is the latest one; its policy version is the first turn's
     (the oldest weights in it: every turn carries its own)."""
@@ -215,7 +228,7 @@ async def _episode_with_tools(
     handler: Handler,
     routed: RoutedPolicy,
     limits: Limits,
-    save: Callable[[TrajectoryBuilder], None],
+    save: Callable[[TrajectoryBuilder], Awaitable[None] | None],
 ) -> Episode:
     assert record.context is not None
     runner = None

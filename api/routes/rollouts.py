@@ -48,7 +48,7 @@ def submit(
 @router.get("/{job_id}", response_model=Trajectory, responses=BY_ID)
 def get(job_id: JobId, svc: Services = Depends(services)) -> Trajectory:
     """The job's trajectory: final when it has finished, partial while it runs."""
-    return svc.store.trajectory(job_id)
+    return service.deliver(svc, job_id)
 
 
 @router.delete("/{job_id}", response_model=Trajectory, responses=BY_ID)

@@ -9,7 +9,9 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+from broker.resultstore import ResultsStore, results_store
 from core.schemas import TERMINAL_STATUSES
+from core.settings import get_settings
 
 TERMINAL = ",".join(sorted(s.value for s in TERMINAL_STATUSES))
 """The final statuses as the scripts take them (comma-separated)."""
@@ -27,14 +29,34 @@ def text(value: Any) -> str:
 
 
 class StoreBase:
-    """One Redis connection, the keys under `prefix` and the registered Lua scripts."""
+    """One Redis connection, the keys under `prefix`, the registered Lua scripts and the
+    results store that finished trajectories move to (by default the one the settings name).
 
-    def __init__(self, client: redis.Redis, prefix: str = "rs:", ttl: int = 7 * 86400) -> None:
+    `ttl` is how long a job's record lives; once its trajectory was delivered, its stub lives
+    `stub_ttl` seconds more (default: `ROLLSERVE_RESULTS_STUB_TTL`)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = "rs:",
+        ttl: int = 7 * 86400,
+        *,
+        results: ResultsStore | None = None,
+        stub_ttl: int | None = None,
+    ) -> None:
         self.r = client
         self.p = prefix
         self.ttl = ttl
+        if results is None or stub_ttl is None:
+            settings = get_settings()
+            results = results if results is not None else results_store(settings)
+            stub_ttl = stub_ttl if stub_ttl is not None else settings.results_stub_ttl
+        self.results = results
+        self.stub_ttl = stub_ttl
         self._transition = self._script("transition")
-        self._save_partial = self._script("save_partial")
+        self._save_partial = self._script("save_partial", lib=True)
+        self._offload = self._script("offload", lib=True)
+        self._deliver = self._script("deliver", lib=True)
         self._finish = self._script("finish", lib=True)
         self._draw = self._script("draw", lib=True)
         self._stage_begin = self._script("stage_begin")
@@ -52,7 +74,16 @@ class StoreBase:
         return f"{self.p}job:{job_id}"
 
     def _traj(self, job_id: str) -> str:
+        """The trajectory's head: its fields but the turns and the flattened arrays."""
         return f"{self.p}traj:{job_id}"
+
+    def _turns(self, job_id: str) -> str:
+        """The trajectory's turns, one JSON entry each."""
+        return f"{self.p}turns:{job_id}"
+
+    def _sums(self, job_id: str) -> str:
+        """The digests of the stored turns, 8 bytes each, in order."""
+        return f"{self.p}sums:{job_id}"
 
     def _batch(self, batch_id: str) -> str:
         return f"{self.p}batch:{batch_id}"

@@ -53,7 +53,14 @@ class Marks(Dynamic):
         cancelling batch done (every one of its cancelled jobs is confirmed stopped)."""
         result = self._stage_end(
             keys=[self._job(job_id)],
-            args=[self.p, task_id, time.time(), "1" if sandbox_released else "", TERMINAL],
+            args=[
+                self.p,
+                task_id,
+                time.time(),
+                "1" if sandbox_released else "",
+                TERMINAL,
+                self.stub_ttl,
+            ],
         )
         return text(result) == "done"
 

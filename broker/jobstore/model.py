@@ -107,3 +107,5 @@ class JobRecord:
     """Where the job's sandbox lives (its keeper, socket and host), once INIT started it."""
     hosts: dict[str, str]
     """The node that ran each stage (the last one, if a stage ran twice)."""
+    result: str | None = None
+    """Where the results store keeps the finished trajectory, once it moved there."""

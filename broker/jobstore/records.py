@@ -2,7 +2,8 @@
 
 Every write that decides a job's fate is one Lua script (`lua/transition.lua`,
 `lua/save_partial.lua`, `lua/finish.lua`), so a stage that runs twice (after a redelivery) or
-a cancel racing a finishing worker cannot record a job twice.
+a cancel racing a finishing worker cannot record a job twice. How trajectories are kept, and
+moved to the results store at the end, is in `trajectories`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from broker.jobstore.base import TERMINAL, StoreBase, text
+from broker.jobstore.base import TERMINAL, text
 from broker.jobstore.model import FinishOutcome, JobNotFound, JobRecord, JobSpec
+from broker.jobstore.trajectories import Trajectories, offload_due
 from core.schemas import STAGES, JobStatus, StageError, Timing, Trajectory
 
 log = logging.getLogger(__name__)
 
 
-class Records(StoreBase):
+class Records(Trajectories):
     """Job records and trajectories."""
 
     def job_key(self, job_id: str) -> str:
@@ -160,6 +162,7 @@ class Records(StoreBase):
             context=json.loads(h["context"]) if h.get("context") else None,
             sandbox=json.loads(h["sandbox"]) if h.get("sandbox") else None,
             hosts={k[5:]: v for k, v in h.items() if k.startswith("host_")},
+            result=h.get("result") or None,
         )
 
     def live_job_ids(self, job_ids: Iterable[str]) -> list[str]:
@@ -210,10 +213,25 @@ class Records(StoreBase):
         }
 
     def trajectory(self, job_id: str) -> Trajectory:
-        """The stored trajectory (final, or partial so far), or a skeleton from the record."""
-        raw = self.r.get(self._traj(job_id))
-        record = self.get(job_id, task=False)
-        traj = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
+        """The job's trajectory: final once it has ended (from the results store once it
+        moved there), partial so far while it runs, or a skeleton from the record. A job
+        whose record has left Redis is looked for in the results store by id."""
+        try:
+            record = self.get(job_id, task=False)
+        except JobNotFound:
+            found = self.stored_result(job_id, None)
+            if found is None:
+                raise
+            return found
+        traj: Trajectory | None = None
+        if record.result is not None:
+            traj = self.stored_result(job_id, record.result)
+            if traj is None:
+                log.warning("job %s: its finished trajectory is not in the results store", job_id)
+        else:
+            traj = self.stored_trajectory(job_id)
+        if traj is None:
+            traj = self.skeleton(record)
         # The record is authoritative for status, error and timing; the trajectory may lag it.
         traj.status = record.status
         if record.error is not None:
@@ -221,6 +239,8 @@ class Records(StoreBase):
         traj.timing = self.timing(record, traj.timing)
         traj.finished_at = record.times.get("end")
         traj.hosts = record.hosts
+        if offload_due(record.status.terminal, traj.finished_at, record.result is not None):
+            self.offload(job_id, traj, traj.finished_at or time.time())
         return traj
 
     def skeleton(self, record: JobRecord) -> Trajectory:
@@ -276,14 +296,6 @@ class Records(StoreBase):
             pipe.hdel(self._job(job_id), "sandbox_released")
         pipe.execute()
 
-    def save_partial(self, job_id: str, trajectory: Trajectory) -> bool:
-        """Store the trajectory so far, unless the job has finished meanwhile."""
-        result = self._save_partial(
-            keys=[self._job(job_id), self._traj(job_id)],
-            args=[trajectory.model_dump_json(), self.ttl, TERMINAL],
-        )
-        return bool(result == 1)
-
     def finish(
         self,
         job_id: str,
@@ -313,18 +325,19 @@ class Records(StoreBase):
         if record.status.terminal:
             return FinishOutcome(job_id, recorded=False, batch_id=record.batch_id)
         if trajectory is None:
-            raw = self.r.get(self._traj(job_id))
-            trajectory = Trajectory.model_validate_json(raw) if raw else self.skeleton(record)
+            trajectory = self.stored_trajectory(job_id) or self.skeleton(record)
         trajectory.status = status
         trajectory.error = error
         now = time.time()
         trajectory.finished_at = now
         record.times["end"] = now
         trajectory.timing = self.timing(record, trajectory.timing)
+        trajectory.hosts = record.hosts
         reward = "" if trajectory.reward is None else repr(float(trajectory.reward))
         batch = record.batch_id
-        result = self._finish(
-            keys=[
+        result = self._sync(
+            self._finish,
+            [
                 self._job(job_id),
                 self._traj(job_id),
                 self._counts,
@@ -333,11 +346,13 @@ class Records(StoreBase):
                 self._batch_stream(batch) if batch else "",
                 self._group(record.group_id),
                 self._wake(job_id),
+                self._turns(job_id),
+                self._sums(job_id),
             ],
-            args=[
-                status.value,
-                now,
-                trajectory.model_dump_json(),
+            [status.value, now],
+            job_id,
+            trajectory,
+            tail=[
                 reward,
                 self.ttl,
                 TERMINAL,
@@ -347,12 +362,15 @@ class Records(StoreBase):
         )
         if int(result[0]) == -1:
             raise JobNotFound(job_id)
+        recorded = int(result[0]) == 1
+        if recorded:
+            self.offload(job_id, trajectory, now)
         return FinishOutcome(
             job_id,
-            recorded=int(result[0]) == 1,
+            recorded=recorded,
             batch_id=batch,
-            event=text(result[1]) if len(result) > 1 else "",
-            new_jobs=[text(x) for x in result[2:]],
+            event=text(result[1]) if recorded and len(result) > 1 else "",
+            new_jobs=[text(x) for x in result[2:]] if recorded else [],
         )
 
     def wait(self, job_id: str, timeout: float) -> JobStatus:

@@ -38,6 +38,18 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="model name of the API (default: dir name)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to wait per request")
+    parser.add_argument(
+        "--delay-max",
+        type=float,
+        default=None,
+        help="with it, each request waits a uniformly drawn time from --delay to this",
+    )
+    parser.add_argument(
+        "--unscored",
+        action="store_true",
+        help="scripted answers (--script, or --default-text) with made-up logprobs and no "
+        "model loaded: a fast stand-in for load tests",
+    )
     parser.add_argument("--default-text", default=DEFAULT_TEXT)
     parser.add_argument("--turn-marker", default=DEFAULT_TURN_MARKER)
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
@@ -98,7 +110,7 @@ def _serve(argv: list[str]) -> int:
     import uvicorn
 
     from routing.devserver.app import create_app
-    from routing.devserver.engine import Engine, ModelEngine, ScriptEngine
+    from routing.devserver.engine import Engine, ModelEngine, ScriptEngine, UnscoredScriptEngine
     from routing.devserver.tiny import make_tiny_model
 
     model_dir = args.model
@@ -114,11 +126,20 @@ def _serve(argv: list[str]) -> int:
         "served_model_name": args.served_model_name,
         "max_model_len": args.max_model_len,
         "delay": args.delay,
+        "delay_max": args.delay_max,
         "chat_template": chat_template,
     }
     started = time.monotonic()
     engine: Engine
-    if args.script is not None:
+    if args.unscored:
+        engine = UnscoredScriptEngine(
+            model_dir,
+            args.script,
+            default_text=args.default_text,
+            turn_marker=args.turn_marker,
+            **common,
+        )
+    elif args.script is not None:
         engine = ScriptEngine(
             model_dir,
             args.script,

@@ -197,6 +197,7 @@ class Engine:
         served_model_name: str | None = None,
         max_model_len: int = 4096,
         delay: float = 0.0,
+        delay_max: float | None = None,
         chat_template: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -207,6 +208,10 @@ class Engine:
         self.served_model_name = served_model_name or self.model_dir.name
         self.max_model_len = max_model_len
         self.delay = delay
+        self.delay_max = delay if delay_max is None else max(delay, delay_max)
+        """With `delay_max` above `delay`, each request waits a uniformly drawn time between
+        them (a fleet whose answers take 1-5 s, say)."""
+        self._delays = random.Random(0)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.chat_template = chat_template
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
@@ -265,9 +270,15 @@ class Engine:
 
     # --- completions
 
+    def request_delay(self) -> float:
+        """Seconds the next request waits before it is answered."""
+        if self.delay_max <= self.delay:
+            return self.delay
+        return self._delays.uniform(self.delay, self.delay_max)
+
     def plan(self, prompt_ids: list[int], params: SamplingParams) -> Plan:
         """Decide what a completion will do (cheap; runs on the event loop)."""
-        return Plan(prompt_ids=prompt_ids, params=params, delay=self.delay)
+        return Plan(prompt_ids=prompt_ids, params=params, delay=self.request_delay())
 
     def generate(self, plan: Plan) -> Generation:
         """Run the completion (blocking; the server calls it in a thread, one at a time)."""
@@ -506,10 +517,12 @@ class ScriptEngine(ModelEngine):
         prompt_text = self.decode(prompt_ids)
         entry = self.pick(prompt_text)
         if entry is None:
-            return Plan(prompt_ids, params, delay=self.delay, script_text=self.default_text)
+            return Plan(
+                prompt_ids, params, delay=self.request_delay(), script_text=self.default_text
+            )
         served = entry.served
         entry.served += 1
-        delay = self.delay if entry.delay is None else entry.delay
+        delay = self.request_delay() if entry.delay is None else entry.delay
         if served < len(entry.errors):
             return Plan(prompt_ids, params, delay=delay, error_status=entry.errors[served])
         counter = served - len(entry.errors)
@@ -542,3 +555,39 @@ class ScriptEngine(ModelEngine):
             finish_reason=tracker.finish_reason or "stop",
             stop_reason=tracker.stop_reason,
         )
+
+
+class UnscoredScriptEngine(ScriptEngine):
+    """Scripted completions whose logprobs are made up, with no model loaded: a stand-in
+    for a fleet under load tests, where the server must answer hundreds of requests a second
+    on a shared CPU. Every generated id gets `LOGPROB` (the alternatives a little less)."""
+
+    kind = "script-unscored"
+    LOGPROB = -0.5
+
+    def __init__(
+        self,
+        model_dir: Path,
+        script: Path | None,
+        *,
+        default_text: str = DEFAULT_TEXT,
+        turn_marker: str = DEFAULT_TURN_MARKER,
+        **kwargs: Any,
+    ) -> None:
+        self.entries = load_script(script) if script is not None else []
+        self.script_path = Path(script) if script is not None else Path()
+        self.default_text = default_text
+        self.turn_marker = turn_marker
+        Engine.__init__(self, model_dir, **kwargs)
+
+    def score(
+        self, prompt_ids: list[int], output_ids: list[int], top: int | None
+    ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+        lps = [self.LOGPROB] * len(output_ids)
+        if top is None:
+            return lps, None
+        tops = [
+            [(tok, self.LOGPROB)] + [(alt, self.LOGPROB - 1 - alt) for alt in range(top)]
+            for tok in output_ids
+        ]
+        return lps, tops

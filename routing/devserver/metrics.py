@@ -15,10 +15,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 BLOCK_SIZE = 16
 """Ids per KV-cache block (vLLM's default block size)."""
+
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+"""vLLM's buckets of `vllm:e2e_request_latency_seconds`."""
 
 
 class PrefixCache:
@@ -116,6 +122,13 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(**self._labels, finished_reason=reason)
         for metric in (
@@ -125,6 +138,7 @@ class ServerMetrics:
             self.generation_tokens,
             self.running,
             self.waiting,
+            self.e2e_latency,
         ):
             metric.labels(**self._labels)  # export zeros before the first request
 
@@ -142,10 +156,14 @@ class ServerMetrics:
         output_ids: list[int],
         reason: str,
         salt: str | None = None,
+        seconds: float | None = None,
     ) -> None:
-        """Count a finished sequence and cache its blocks (all but the last id have KV)."""
+        """Count a finished sequence and cache its blocks (all but the last id have KV);
+        `seconds` from its arrival to its end (`vllm:e2e_request_latency_seconds`)."""
         self.prefix_cache.insert((prompt_ids + output_ids)[:-1], salt)
         self.generation_tokens.labels(**self._labels).inc(len(output_ids))
+        if seconds is not None:
+            self.e2e_latency.labels(**self._labels).observe(seconds)
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
 
     def record_aborted(self) -> None:

@@ -214,6 +214,7 @@ class DevServer:
         request_id: str | None = None,
     ) -> Generation:
         """Run one completion; it can be aborted by `abort(request_id)` or by cancelling."""
+        arrived = time.monotonic()
         plan = self.engine.plan(prompt, params)
         job = _Job(plan)
         if request_id is not None:
@@ -249,7 +250,11 @@ class DevServer:
                 if not done.cancelled() and done.exception() is None:
                     result = done.result()
                     self.metrics.record_finished(
-                        prompt, result.token_ids, result.finish_reason, cache_salt
+                        prompt,
+                        result.token_ids,
+                        result.finish_reason,
+                        cache_salt,
+                        seconds=time.monotonic() - arrived,
                     )
 
             # The lock is held until the model call really ends: a cancelled request stops

@@ -20,6 +20,7 @@ import redis
 from api.client import AsyncRolloutClient, RolloutClient, RolloutServiceError
 from broker.jobstore import JobStore
 from broker.processes import free_port, spawn, stop_group, wait_for_port
+from broker.resultstore import results_store
 from core.schemas import JobStatus, Trajectory
 from core.settings import Settings
 from tests.support.gateway import GOOD_TASK
@@ -73,9 +74,12 @@ def gateway_process(redis_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
 
 
 @pytest.fixture
-def store(redis_url: str) -> Iterator[JobStore]:
+def store(redis_url: str, tmp_path: Path) -> Iterator[JobStore]:
+    """The job store as a worker has it: its results store is the gateway's (the same data
+    directory)."""
     client = redis.Redis.from_url(redis_url)
-    yield JobStore(client, Settings().key_prefix)
+    settings = Settings(data_dir=tmp_path)
+    yield JobStore(client, settings.key_prefix, results=results_store(settings))
     client.close()
 
 

@@ -75,11 +75,13 @@ def test_the_json_line_is_strict_json_on_one_line() -> None:
 def test_every_benchmark_main_ends_by_printing_its_json() -> None:
     """`make bench` runs bench/*.py: each is a benchmark whose `main` prints the JSON last."""
     assert [p.name for p in BENCHMARKS] == [
+        "autoscale.py",
         "chaos.py",
         "dapo.py",
         "pipeline.py",
         "routing.py",
         "routing_vllm.py",
+        "scale.py",
         "tokens.py",
         "tools.py",
         "train.py",

@@ -159,3 +159,28 @@ def test_up_with_a_bad_engine_setup_says_what_is_wrong_and_starts_nothing(
     assert processes_mentioning(str(data)) == []
     engine = rollserve(["up", "--engine", "sglang"], env)
     assert engine.returncode == 2 and "invalid choice: 'sglang'" in engine.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["worker", "init", "--jobs", "8"], "RUN workers only"),
+        (["worker", "eval", "--jobs", "8"], "RUN workers only"),
+        (["worker", "run", "--jobs", "0"], "at least 1"),
+        (["worker", "run", "--jobs", "8", "--concurrency", "2"], "drop --concurrency"),
+        (
+            ["worker", "run", "--jobs", "8", "--autoscale", "4,1"],
+            "drop --concurrency and --autoscale",
+        ),
+        (["up", "--run-jobs", "0"], "--run-jobs must be at least 1"),
+    ],
+)
+def test_bad_many_jobs_options_are_refused_before_anything_starts(
+    args: list[str], named: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    env = cli_env(tmp_path, tiny_model_dir, free_port())
+    env["ROLLSERVE_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
+    done = rollserve(args, env)
+    assert done.returncode == 2
+    assert named in done.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started

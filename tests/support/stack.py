@@ -29,8 +29,11 @@ def start_stack(
     *,
     script: list[dict[str, Any]] | None = None,
     workers: dict[str, int] | None = None,
+    run_jobs: int = 0,
     **settings: Any,
 ) -> Stack:
+    """A started stack; with `run_jobs` > 0 its RUN worker holds that many jobs on one event
+    loop (`rollserve worker run --jobs N`) instead of prefork processes."""
     script_path = None
     if script is not None:
         script_path = data_dir / "script.jsonl"
@@ -40,5 +43,6 @@ def start_stack(
     options = StackOptions(
         workers=workers or {"init": 1, "run": 2, "eval": 1},
         dev_backend=DevBackendOptions(model_dir=model_dir, script=script_path),
+        run_jobs=run_jobs,
     )
     return Stack(config, options).start()

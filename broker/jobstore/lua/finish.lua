@@ -1,19 +1,27 @@
 -- Record a job's end exactly once (after lib.lua).
--- KEYS: 1 job hash, 2 trajectory, 3 status counts hash, 4 done zset, 5 batch hash ('' for none),
---       6 batch stream ('' for none), 7 group hash, 8 the job's wake-up list (waiters block on it)
--- ARGV: 1 status, 2 now, 3 trajectory json, 4 reward ('' if none), 5 ttl,
---       6 terminal statuses (comma-separated), 7 error json ('' for none), 8 key prefix
--- Returns {-1} (no such job), {0} (already ended) or {1, event, new job ids...} (see
--- group_done; event '' and no ids for a job outside dynamic batches).
+-- The final trajectory is stored like a partial one (sync_turns: only the turns the store
+-- lacks, and its head); the job store then moves it to the results store (offload.lua).
+-- KEYS: 1 job hash, 2 trajectory head, 3 status counts hash, 4 done zset, 5 batch hash ('' for
+--       none), 6 batch stream ('' for none), 7 group hash, 8 the job's wake-up list (waiters
+--       block on it), 9 turns list, 10 turn digests
+-- ARGV: 1 status, 2 now, 3 head json, 4 reward ('' if none), 5 ttl,
+--       6 terminal statuses (comma-separated), 7 error json ('' for none), 8 key prefix,
+--       9 digests of all turns, 10 index of the first turn sent, 11... the turns from there on
+-- Returns {-1} (no such job), {0} (already ended), {2, c} (send the turns from c on; nothing
+-- was written) or {1, event, new job ids...} (see group_done; event '' and no ids for a job
+-- outside dynamic batches).
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return {-1} end
 if string.find(',' .. ARGV[6] .. ',', ',' .. cur .. ',', 1, true) then return {0} end
 local ttl = tonumber(ARGV[5])
 local p, now = ARGV[8], ARGV[2]
+local written = sync_turns(KEYS[2], KEYS[9], KEYS[10], ARGV[3], ARGV[9], tonumber(ARGV[10]),
+                           ARGV, 11, ttl)
+if written < 0 then return {2, -1 - written} end
+redis.call('HINCRBY', KEYS[1], 'bytes_written', written)
 local held = redis.call('HMGET', KEYS[1], 'active', 'sandbox', 'sandbox_released', 't_init',
                         'tenant')
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 't_end', now, 'error', ARGV[7])
-redis.call('SET', KEYS[2], ARGV[3], 'EX', ttl)
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('HINCRBY', KEYS[3], cur, -1)
 redis.call('HINCRBY', KEYS[3], ARGV[1], 1)

@@ -158,3 +158,62 @@ local function group_done(p, bid, gid, now)
   end
   return out
 end
+
+-- The stored turns of a job brought level with the caller's (save_partial, finish). `hkey` is
+-- the trajectory's head (its small fields as JSON), `lkey` the list of its turns (one JSON
+-- each), `skey` their digests (8 bytes per turn, in order). The caller sends the digests of
+-- all its turns (`sums`) but the entries only of its turns from index `from` on, as
+-- argv[first], argv[first + 1], ... Stored turns whose digest matches the caller's at the same
+-- place stay; the rest are cut and the caller's later turns appended, so a turn is written
+-- once, and again only if it changed or the episode started over. The head is written when
+-- it changed. Returns -1 - c when the caller
+-- must send its entries from turn c on (it sent too few; nothing was written), else the
+-- number of bytes written.
+local SUM = 8
+local function sync_turns(hkey, lkey, skey, head, sums, from, argv, first, ttl)
+  local old = redis.call('GET', skey) or ''
+  local n_old, n_new = math.floor(#old / SUM), math.floor(#sums / SUM)
+  local c, limit = 0, math.min(n_old, n_new)
+  while c < limit and
+        string.sub(old, c * SUM + 1, (c + 1) * SUM) == string.sub(sums, c * SUM + 1, (c + 1) * SUM) do
+    c = c + 1
+  end
+  if c < from then return -1 - c end
+  local written = 0
+  if n_old > c then
+    if c == 0 then redis.call('DEL', lkey) else redis.call('LTRIM', lkey, 0, c - 1) end
+  end
+  for i = c, n_new - 1 do
+    local entry = argv[first + i - from]
+    redis.call('RPUSH', lkey, entry)
+    written = written + #entry
+  end
+  if n_new == 0 then
+    redis.call('DEL', skey)
+  elseif n_new < n_old then
+    redis.call('SET', skey, sums)
+    written = written + #sums
+  elseif c < n_new then
+    redis.call('SETRANGE', skey, c * SUM, string.sub(sums, c * SUM + 1))
+    written = written + (n_new - c) * SUM
+  end
+  if redis.call('GET', hkey) ~= head then
+    redis.call('SET', hkey, head)
+    written = written + #head
+  end
+  for _, key in ipairs({hkey, lkey, skey}) do redis.call('EXPIRE', key, ttl) end
+  return written
+end
+
+-- A delivered job that has ended, whose trajectory is in the results store and that holds
+-- nothing any more (no stage of it runs, its sandbox is released: what frees them reads the
+-- record) keeps its record only `ttl` seconds more. Called when any of these becomes true.
+local function settle_stub(jkey, terminal, ttl)
+  local h = redis.call('HMGET', jkey, 'status', 'result', 'delivered', 'active', 'sandbox',
+                       'sandbox_released')
+  if not h[1] or h[3] ~= '1' or not nonempty(h[2]) then return end
+  if not string.find(',' .. terminal .. ',', ',' .. h[1] .. ',', 1, true) then return end
+  if nonempty(h[4]) or (nonempty(h[5]) and h[6] ~= '1') then return end
+  local t = redis.call('TTL', jkey)
+  if t < 0 or t > ttl then redis.call('EXPIRE', jkey, ttl) end
+end

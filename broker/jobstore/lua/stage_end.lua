@@ -3,7 +3,8 @@
 -- the message of its next stage: it is indexed in transit (by now) until a worker notes it.
 -- KEYS: 1 job hash
 -- ARGV: 1 key prefix, 2 task id ('' for none), 3 now, 4 '1' to mark the sandbox released,
---       5 terminal statuses (comma-separated)
+--       5 terminal statuses (comma-separated), 6 seconds a delivered record lives once the
+--       job holds nothing (see settle_stub)
 -- Returns 'done' if that made a cancelling batch done, else ''.
 if redis.call('EXISTS', KEYS[1]) == 0 then return '' end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'sandbox_released', '1') end
@@ -17,4 +18,5 @@ if ARGV[2] ~= '' and active == ARGV[2] then
     redis.call('ZADD', ARGV[1] .. 'transit', ARGV[3], h[1])
   end
 end
+settle_stub(KEYS[1], ARGV[5], tonumber(ARGV[6]))
 return ack(ARGV[1], KEYS[1], ARGV[3])

@@ -1,0 +1,61 @@
+"""Where workers run: the interface every launcher keeps.
+
+A launcher starts workers on one queue, lists the ones that count toward its fleet, and stops
+some by warm shutdown: Celery's worker takes SIGTERM (to its main process only) as "take no new
+job, finish the running ones, then exit", so a stopped worker never cuts a job short. A worker
+being stopped no longer counts toward the fleet, though it may run for a while yet.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class LauncherError(RuntimeError):
+    """A launcher could not start, list or stop workers (its tool failed or is missing)."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker a launcher started."""
+
+    id: str
+    """The launcher's name for it: a process group id, a Slurm job id, a pod ordinal."""
+    queue: str
+    started: float
+    """When it was asked for (Unix time; 0 when the launcher cannot tell)."""
+
+
+class Launcher(ABC):
+    """Starts, lists and warm-stops the workers of each queue."""
+
+    name: str = "launcher"
+
+    @abstractmethod
+    def start(self, queue: str, count: int) -> list[Worker]:
+        """Start `count` more workers on `queue`."""
+
+    @abstractmethod
+    def workers(self, queue: str) -> list[Worker]:
+        """The workers of `queue` that run or are about to, oldest first; not those being
+        stopped."""
+
+    @abstractmethod
+    def stop(self, queue: str, workers: Sequence[Worker]) -> None:
+        """Warm-stop `workers`: each finishes the jobs it runs, then exits."""
+
+    def scale(self, queue: str, desired: int) -> int:
+        """Start or stop workers until `queue` has `desired`; returns how many it had. The
+        newest are stopped first: the oldest have warm connections and caches."""
+        current = self.workers(queue)
+        if desired > len(current):
+            self.start(queue, desired - len(current))
+        elif desired < len(current):
+            self.stop(queue, current[desired:][::-1])
+        return len(current)
+
+    def close(self) -> None:
+        """Let go of what the launcher holds; by default its workers go on running."""
+        return None
