@@ -6,7 +6,11 @@ import time
 from collections.abc import Iterator
 from threading import Lock
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 from pydantic import ValidationError
 
@@ -90,7 +94,9 @@ class RolloutCollector(Collector):
     def __init__(self, svc: Services) -> None:
         self.svc = svc
 
-    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(
+        self,
+    ) -> Iterator[GaugeMetricFamily | HistogramMetricFamily | CounterMetricFamily]:
         jobs = GaugeMetricFamily("rollserve_jobs", "Jobs by status", labels=["status"])
         for status, count in self.svc.store.status_counts().items():
             jobs.add_metric([status], count)
@@ -123,6 +129,12 @@ class RolloutCollector(Collector):
             points = [(repr(bound), float(n)) for bound, n in buckets] + [("+Inf", float(count))]
             durations.add_metric([stage], points, total)
         yield durations
+        ignored = CounterMetricFamily(
+            "rollserve_ignored_cancellations",
+            "Jobs whose task on a many-jobs RUN worker went on after it was cancelled",
+            value=self.svc.store.ignored_cancellations(),
+        )
+        yield ignored
 
 
 def registry_for(svc: Services) -> CollectorRegistry:

@@ -16,7 +16,8 @@ Without prefork's process kill, time limits and cancellation cancel the job's ta
   (`SoftTimeLimitExceeded`, as Celery raises it on prefork);
 - a task that is still running `grace` seconds after it was cancelled ignores cancellation:
   the stage gives up waiting (the job is ended all the same), and the job is reported —
-  logged, counted in `ignored`, and listed by `stuck()` — while it holds the loop.
+  logged, counted in `ignored` and by `on_ignored` (the job store's counter, exported as
+  `rollserve_ignored_cancellations` on `/metrics`), and listed by `stuck()`.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class JobsLoop:
         *,
         poll: float = 0.5,
         grace: float = 10.0,
+        on_ignored: Callable[[str], None] = lambda _job_id: None,
     ) -> None:
         self.live_of = live_of
+        self.on_ignored = on_ignored
         self.poll = poll
         self.grace = grace
         self.loop = asyncio.new_event_loop()
@@ -136,6 +139,10 @@ class JobsLoop:
                 job_id,
                 self.grace,
             )
+            try:
+                self.on_ignored(job_id)
+            except Exception:
+                log.exception("reporting job %s's ignored cancellation failed", job_id)
         except BaseException:
             return
 

@@ -78,6 +78,7 @@ class Runtime:
                     self.store.live,
                     poll=self.settings.jobs_poll,
                     grace=self.settings.jobs_grace,
+                    on_ignored=self.store.note_ignored_cancellation,
                 )
             return self._jobs
 

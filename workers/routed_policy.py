@@ -170,7 +170,17 @@ class RoutedPolicy:
             return backend, client, templater
 
     async def _watched(self, work: Awaitable[T], on_cancel: Callable[[], Awaitable[None]]) -> T:
-        """`work`, cancelled (and `on_cancel` awaited) as soon as the job stops being live."""
+        """`work`, cancelled (and `on_cancel` awaited) as soon as the job stops being live.
+
+        Offloading (many jobs on one loop), the loop's watch cancels an ended job's task
+        itself: no poll per request, only the engine told on cancellation."""
+        if self.offload:
+            try:
+                return await work
+            except asyncio.CancelledError:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(on_cancel(), timeout=5)
+                raise
         task = asyncio.ensure_future(work)
         try:
             while True:

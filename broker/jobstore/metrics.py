@@ -57,3 +57,11 @@ class Metrics(StoreBase):
         raw = {text(k): text(v) for k, v in self.r.hgetall(self._hist(stage)).items()}
         buckets = [(b, int(raw.get(f"le:{b}", 0))) for b in STAGE_BUCKETS]
         return buckets, int(raw.get("count", 0)), float(raw.get("sum", 0.0))
+
+    def note_ignored_cancellation(self, job_id: str) -> None:
+        """Count a job whose task on a many-jobs worker went on after it was cancelled."""
+        self.r.incr(f"{self.p}ignored_cancellations")
+
+    def ignored_cancellations(self) -> int:
+        """How many jobs ignored their cancellation (`note_ignored_cancellation`)."""
+        return int(self.r.get(f"{self.p}ignored_cancellations") or 0)

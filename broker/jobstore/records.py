@@ -216,20 +216,27 @@ class Records(Trajectories):
         """The job's trajectory: final once it has ended (from the results store once it
         moved there), partial so far while it runs, or a skeleton from the record. A job
         whose record has left Redis is looked for in the results store by id."""
-        try:
-            record = self.get(job_id, task=False)
-        except JobNotFound:
-            found = self.stored_result(job_id, None)
-            if found is None:
-                raise
-            return found
         traj: Trajectory | None = None
-        if record.result is not None:
-            traj = self.stored_result(job_id, record.result)
-            if traj is None:
-                log.warning("job %s: its finished trajectory is not in the results store", job_id)
-        else:
+        for _ in range(3):
+            try:
+                record = self.get(job_id, task=False)
+            except JobNotFound:
+                found = self.stored_result(job_id, None)
+                if found is None:
+                    raise
+                return found
+            if record.result is not None:
+                traj = self.stored_result(job_id, record.result)
+                if traj is None:
+                    log.warning(
+                        "job %s: its finished trajectory is not in the results store", job_id
+                    )
+                break
             traj = self.stored_trajectory(job_id)
+            if traj is not None or not record.status.terminal:
+                break
+            # Ended, and its trajectory left Redis between the two reads (moved to the
+            # results store at its end): the record now says where it went.
         if traj is None:
             traj = self.skeleton(record)
         # The record is authoritative for status, error and timing; the trajectory may lag it.

@@ -1,12 +1,14 @@
 """Finished trajectories in a directory: append-only JSON Lines, partitioned by hour.
 
 `{root}/{YYYYmmddHH}/{batch}.jsonl` holds the trajectories of one batch (`rollouts.jsonl`:
-jobs outside batches) that finished in that hour, one per line; `{root}/{hour}/index.tsv`
-names, per line, `job_id`, file, offset and length, so a job is found without reading the
-data. Writers append under an exclusive `flock` of the file and fsync before answering, so
-concurrent workers never interleave lines; a line a crash left half-written is never named by
-a location (its writer had not answered) and reads as incomplete anyway, and the next writer
-ends it with a newline first, so line-by-line readers skip it as one bad line.
+jobs outside batches) that finished in that hour, one per line; `{root}/{hour}/index/XX.tsv`
+names, per line, `job_id`, file, offset and length of the jobs whose id starts with `XX`, so a
+job is found without reading the data, and a lookup reads one small shard per hour (a request
+for an id that was never there costs no more than that). Writers append under an exclusive
+`flock` of the file and fsync before answering, so concurrent workers never interleave lines;
+a line a crash left half-written is never named by a location (its writer had not answered)
+and reads as incomplete anyway, and the next writer ends it with a newline first, so
+line-by-line readers skip it as one bad line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from pathlib import Path
 
 from broker.resultstore.base import ResultsStore, hour_of, safe_name
 
-INDEX = "index.tsv"
+INDEX = "index"
+"""The directory, in each hour, of the index shards (one per first two characters of the id)."""
+
+
+def _shard(job_id: str) -> str:
+    return f"{INDEX}/{safe_name(job_id[:2]) or '_'}.tsv"
 
 
 def _append(path: Path, data: bytes) -> int:
@@ -59,7 +66,11 @@ class DirectoryResults(ResultsStore):
         name = f"{safe_name(batch_id) if batch_id else 'rollouts'}.jsonl"
         offset = _append(part / name, line + b"\n")
         length = len(line) + 1
-        _append(part / INDEX, f"{job_id}\t{name}\t{offset}\t{length}\n".encode())
+        shard = part / _shard(job_id)
+        if not shard.parent.is_dir():
+            shard.parent.mkdir(exist_ok=True)
+            _fsync_dir(part)
+        _append(shard, f"{job_id}\t{name}\t{offset}\t{length}\n".encode())
         return f"{hour}/{name}:{offset}:{length}"
 
     def read(self, location: str) -> bytes | None:
@@ -84,7 +95,7 @@ class DirectoryResults(ResultsStore):
         key = f"{job_id}\t".encode()
         for hour in reversed(self.hours()):
             try:
-                index = (self.root / hour / INDEX).read_bytes()
+                index = (self.root / hour / _shard(job_id)).read_bytes()
             except OSError:
                 continue
             at = index.rfind(b"\n" + key)

@@ -109,3 +109,16 @@ def test_the_settings_put_results_under_the_data_directory(tmp_path: Path) -> No
     mine = results_store(Settings(data_dir=tmp_path, results_dir=tmp_path / "r", results_keep=7200))
     assert isinstance(mine, DirectoryResults)
     assert (mine.root, mine.keep) == (tmp_path / "r", 7200)
+
+
+def test_a_lookup_by_id_reads_only_the_ids_shard_of_each_hour(results: DirectoryResults) -> None:
+    ids = ["ab" + "0" * 30, "ab" + "1" * 30, "cd" + "0" * 30]
+    for job_id in ids:
+        results.put(job_id, "b1", line(job_id), NOW)
+    index = results.root / hour_of(NOW) / "index"
+    assert sorted(p.name for p in index.iterdir()) == ["ab.tsv", "cd.tsv"]
+    assert len((index / "ab.tsv").read_bytes().splitlines()) == 2
+    for job_id in ids:
+        assert results.find(job_id) == line(job_id)
+    assert results.find("ef" + "0" * 30) is None
+    assert results.find("ab" + "2" * 30) is None

@@ -277,3 +277,31 @@ def test_a_delivered_job_keeps_its_record_while_it_still_holds_a_stage_or_a_sand
     assert store.r.ttl(f"t:job:{job_id}") > store.stub_ttl  # its box is still up
     store.sandbox_released(job_id)
     assert 0 < store.r.ttl(f"t:job:{job_id}") <= store.stub_ttl
+
+
+def test_a_read_racing_the_move_to_the_results_store_still_gets_the_trajectory(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end is recorded first, the move to the results store follows: a reader that saw
+    the ended record before the move, and looks for the turns after it, reads the record
+    again and finds the trajectory where it went."""
+    job_id = start_job(store)
+    _, trajectory = run_turns(store, job_id, 2)
+    trajectory.reward = 1.0
+    moves: list[tuple[str, Trajectory, float]] = []
+    monkeypatch.setattr(store, "offload", lambda *args: moves.append(args))  # held back
+    assert store.finish(job_id, JobStatus.completed, trajectory)
+    monkeypatch.undo()
+    [(_, final, at)] = moves
+    real = store.stored_trajectory
+
+    def moved_meanwhile(job: str) -> Trajectory | None:
+        store.offload(job, final, at)  # the finishing worker's move lands between the reads
+        monkeypatch.setattr(store, "stored_trajectory", real)
+        return real(job)
+
+    monkeypatch.setattr(store, "stored_trajectory", moved_meanwhile)
+    read = store.trajectory(job_id)
+    assert store.get(job_id, task=False).result is not None  # it did move
+    assert read.status is JobStatus.completed and read.reward == 1.0
+    assert read.response_ids == trajectory.response_ids and len(read.turns) == 4

@@ -23,6 +23,7 @@ class Jobs:
         self.ended: set[str] = set()
         self.asked = 0
         self.sizes: list[int] = []
+        self.reported: list[str] = []
 
     def live_of(self, ids: Iterable[str]) -> set[str]:
         self.asked += 1
@@ -38,7 +39,7 @@ def jobs() -> Jobs:
 
 @pytest.fixture
 def loop(jobs: Jobs) -> Iterator[JobsLoop]:
-    running = JobsLoop(jobs.live_of, poll=0.05, grace=0.5)
+    running = JobsLoop(jobs.live_of, poll=0.05, grace=0.5, on_ignored=jobs.reported.append)
     yield running
     running.close()
 
@@ -128,7 +129,7 @@ def test_cancel_stops_only_that_job(loop: JobsLoop) -> None:
     assert not loop.cancel("job-unknown")
 
 
-def test_a_job_that_ignores_cancellation_is_reported(loop: JobsLoop) -> None:
+def test_a_job_that_ignores_cancellation_is_reported(loop: JobsLoop, jobs: Jobs) -> None:
     stop = threading.Event()
 
     async def stubborn() -> None:
@@ -143,6 +144,7 @@ def test_a_job_that_ignores_cancellation_is_reported(loop: JobsLoop) -> None:
             loop.run(stubborn(), "job-stubborn", time_limit=0.2)
         assert loop.ignored == 1
         assert set(loop.stuck()) == {"job-stubborn"}
+        assert jobs.reported == ["job-stubborn"]  # to the job store's counter, in the worker
     finally:
         stop.set()
     wait_until(lambda: loop.in_flight == 0, 10, "the stubborn task to end")
