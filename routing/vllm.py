@@ -25,7 +25,13 @@ from tenacity import (
 
 from routing.protocol import Completion, normalize_finish_reason
 
-CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+SHARD_REQUESTS = 32
+"""Requests in flight per connection pool before a client opens another pool. httpcore's pool
+does work quadratic in its requests and connections at every request's start and end (it
+scans all of them, and its idle check re-counts every connection for each one): a thousand
+requests in one pool cost it whole seconds per request; pools of 32 cost microseconds."""
+
+CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=SHARD_REQUESTS)
 """One worker process may have a thousand requests in flight to one server (`--jobs N`):
 httpx's default of 100 connections would queue the rest behind them."""
 
@@ -161,9 +167,10 @@ class HTTPBackend:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._owns_http = http is None
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=10.0), limits=CONNECTION_LIMITS
-        )
+        self._http = http or self._new_pool()
+        self._pools = [self._http]
+        self._busy = [0]
+        """Requests in flight per pool (see `SHARD_REQUESTS`)."""
         self._max_model_len: int | None = None
         """The server's context length once asked (see `max_model_len`)."""
         self.refused_from: int | None = None
@@ -177,9 +184,25 @@ class HTTPBackend:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool (unless it was passed in)."""
+        """Close the connection pools (unless the pool was passed in)."""
         if self._owns_http:
-            await self._http.aclose()
+            for pool in self._pools:
+                await pool.aclose()
+
+    def _new_pool(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout, connect=10.0), limits=CONNECTION_LIMITS
+        )
+
+    def _take_pool(self) -> int:
+        """The least busy pool for the next request (a new one when all are full)."""
+        best = min(range(len(self._pools)), key=self._busy.__getitem__)
+        if self._busy[best] >= SHARD_REQUESTS and self._owns_http:
+            self._pools.append(self._new_pool())
+            self._busy.append(0)
+            best = len(self._pools) - 1
+        self._busy[best] += 1
+        return best
 
     async def _request(
         self,
@@ -217,8 +240,9 @@ class HTTPBackend:
     async def _attempt(
         self, method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str] | None
     ) -> Any:
+        pool = self._take_pool()
         try:
-            response = await self._http.request(
+            response = await self._pools[pool].request(
                 method, url, json=body, headers=headers, timeout=self.timeout
             )
         except httpx.TimeoutException as e:
@@ -227,6 +251,8 @@ class HTTPBackend:
             ) from e
         except httpx.TransportError as e:
             raise _Retryable(BackendError(f"{type(e).__name__}: {e}", url=url)) from e
+        finally:
+            self._busy[pool] -= 1
         if response.status_code < 400:
             try:
                 return response.json() if response.content else None
