@@ -100,6 +100,7 @@ class JobsLoop:
         finally:
             with self._lock:
                 self._reasons.pop(job_id, None)
+                self._ended.discard(job_id)  # asked only while the job runs here
 
     async def _as_job(self, coro: Coroutine[Any, Any, T], job_id: str) -> T:
         task = asyncio.current_task()
