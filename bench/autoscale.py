@@ -40,6 +40,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import redis
 
 from api.client import RolloutClient
+from bench.support.plot import pyplot
 from bench.support.report import print_json, run_baseline
 from broker.jobstore import JobStore
 from broker.processes import free_port
@@ -198,13 +199,9 @@ def run_fleet(
 
 def draw(figures: dict[str, dict[str, Any]]) -> str | None:
     """The figure, or why there is none."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return f"no figure: {exc}"
+    plt, missing = pyplot()
+    if plt is None:
+        return f"no figure: {missing}"
     fig, axes = plt.subplots(len(figures), 1, figsize=(9, 3.2 * len(figures)), sharex=True)
     for ax, (name, run) in zip(axes, figures.items(), strict=True):
         if "_rows" not in run:

@@ -45,6 +45,7 @@ import httpx
 import redis
 
 from api.client import RolloutClient
+from bench.support.plot import pyplot
 from bench.support.report import print_json, run_baseline
 from broker.processes import free_port
 from core.schemas import JobStatus, Trajectory
@@ -302,13 +303,9 @@ def describe(row: dict[str, Any]) -> str:
 
 
 def draw(jobs: list[dict[str, Any]], prefork: list[dict[str, Any]], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure", file=sys.stderr)
+    plt, missing = pyplot()
+    if plt is None:
+        print(f"{missing}: no figure", file=sys.stderr)
         return None
     fig, (mem, over) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, rows, style in (("--jobs N", jobs, "o-"), ("prefork", prefork, "s--")):

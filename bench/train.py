@@ -37,6 +37,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.pop(0)  # bench/routing.py would shadow the `routing` package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.support.plot import pyplot
 from bench.support.report import print_json
 from broker.processes import free_port
 from core.settings import Settings, get_settings
@@ -107,13 +108,9 @@ def summary(stats: list[Any]) -> dict[str, Any]:
 
 
 def draw(runs: Mapping[str, list[Any]], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure", file=sys.stderr)
+    plt, missing = pyplot()
+    if plt is None:
+        print(f"{missing}: no figure", file=sys.stderr)
         return None
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.8))
     for mode, stats in runs.items():

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Sequence
 
-from deploy.autoscale.launcher import Launcher, LauncherError, Worker
+from deploy.autoscale.launcher import Launcher, LauncherError, Worker, run_command
 
 
 class KubernetesLauncher(Launcher):
@@ -48,16 +47,7 @@ class KubernetesLauncher(Launcher):
         argv = [self.kubectl, *args]
         if self.namespace:
             argv += ["--namespace", self.namespace]
-        try:
-            done = subprocess.run(
-                argv, env=self.env, capture_output=True, text=True, timeout=60, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise LauncherError(f"kubectl: {exc}") from exc
-        if done.returncode != 0:
-            raise LauncherError(f"kubectl {args[0]} exited with {done.returncode}: "
-                                f"{done.stderr.strip()}")  # fmt: skip
-        return done.stdout
+        return run_command(argv, self.env, f"kubectl {args[0]}")
 
     def replicas(self, queue: str) -> int:
         """The replica count the queue's Deployment asks for."""

@@ -8,6 +8,7 @@ being stopped no longer counts toward the fleet, though it may run for a while y
 
 from __future__ import annotations
 
+import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,20 @@ from dataclasses import dataclass
 
 class LauncherError(RuntimeError):
     """A launcher could not start, list or stop workers (its tool failed or is missing)."""
+
+
+def run_command(argv: list[str], env: dict[str, str], name: str) -> str:
+    """The standard output of a launcher's command (`kubectl`, `sbatch`, ...), at most 60 s;
+    `LauncherError` naming `name` when it cannot run or exits non-zero."""
+    try:
+        done = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LauncherError(f"{argv[0]}: {exc}") from exc
+    if done.returncode != 0:
+        raise LauncherError(f"{name} exited with {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
 
 
 @dataclass(frozen=True)

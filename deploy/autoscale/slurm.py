@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.autoscale.launcher import Launcher, LauncherError, Worker
+from deploy.autoscale.launcher import Launcher, Worker, run_command
 
 WORKER_SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "worker.sbatch"
 ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED")
@@ -59,17 +58,7 @@ class SlurmLauncher(Launcher):
         return f"{self.job_prefix}-{queue}"
 
     def _run(self, argv: list[str]) -> str:
-        try:
-            done = subprocess.run(
-                argv, env=self.env, capture_output=True, text=True, timeout=60, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise LauncherError(f"{argv[0]}: {exc}") from exc
-        if done.returncode != 0:
-            raise LauncherError(
-                f"{' '.join(argv[:2])} ... exited with {done.returncode}: {done.stderr.strip()}"
-            )
-        return done.stdout
+        return run_command(argv, self.env, f"{' '.join(argv[:2])} ...")
 
     def start(self, queue: str, count: int) -> list[Worker]:
         argv = ["sbatch", "--parsable", f"--job-name={self.job_name(queue)}", "--export=ALL"]

@@ -499,11 +499,14 @@ class ScriptEngine(ModelEngine):
         turn_marker: str = DEFAULT_TURN_MARKER,
         **kwargs: Any,
     ) -> None:
-        self.entries = load_script(script)
-        self.script_path = Path(script)
+        self._use_script(script, default_text, turn_marker)
+        super().__init__(model_dir, **kwargs)
+
+    def _use_script(self, script: Path | None, default_text: str, turn_marker: str) -> None:
+        self.entries = load_script(script) if script is not None else []
+        self.script_path = Path(script) if script is not None else None
         self.default_text = default_text
         self.turn_marker = turn_marker
-        super().__init__(model_dir, **kwargs)
 
     def pick(self, prompt_text: str) -> ScriptEntry | None:
         """The entry that answers a prompt with this text, if any."""
@@ -574,10 +577,7 @@ class UnscoredScriptEngine(ScriptEngine):
         turn_marker: str = DEFAULT_TURN_MARKER,
         **kwargs: Any,
     ) -> None:
-        self.entries = load_script(script) if script is not None else []
-        self.script_path = Path(script) if script is not None else Path()
-        self.default_text = default_text
-        self.turn_marker = turn_marker
+        self._use_script(script, default_text, turn_marker)
         Engine.__init__(self, model_dir, **kwargs)
 
     def score(
