@@ -131,12 +131,13 @@ def test_no_prefix_cache_reuse_across_policy_versions(
 
 @contextmanager
 def long_job(stack: Stack, vllm_server: VllmServer, api: str) -> Iterator[str]:
-    """A job generating up to 1,800 tokens (half a minute) on the engine through `api`,
-    already running there; its id."""
+    """A job generating up to 1,800 tokens (10-30 s) on the engine through `api`, already
+    generating there (the engine's token counter moving while the job is live); its id."""
     with (
         registered(stack, vllm_server.url, vllm_server.model, api=api, backend_id=f"abort-{api}"),
         RolloutClient(stack.gateway_url, timeout=60) as client,
     ):
+        generated0 = engine_metrics(vllm_server.url)["vllm:generation_tokens_total"]
         job_id = client.submit_rollout(
             {"data_source": "math", "instance_id": "long", "problem": "Count.", "answer": "1"},
             sampling={"temperature": 1.0, "max_tokens": 1800, "seed": 3},
@@ -144,10 +145,17 @@ def long_job(stack: Stack, vllm_server: VllmServer, api: str) -> Iterator[str]:
         )
         assert isinstance(job_id, str)
         deadline = time.monotonic() + 60
-        while engine_metrics(vllm_server.url).get(RUNNING, 0) < 1:
+        while True:
+            # Not a fixed sleep: the engine's speed varies with the machine's load, and a job
+            # that finished before the cancel would prove nothing.
+            metrics = engine_metrics(vllm_server.url)
+            generating = metrics["vllm:generation_tokens_total"] - generated0
+            if metrics.get(RUNNING, 0) >= 1 and generating >= 20:
+                break
             assert time.monotonic() < deadline, "the job's request never ran on the engine"
-            time.sleep(0.05)
-        time.sleep(1.0)  # well into its generation
+            time.sleep(0.02)
+        status = client.get_rollout(job_id).status
+        assert not status.terminal, f"the job ended ({status}) before it could be cancelled"
         yield job_id
 
 
