@@ -216,6 +216,9 @@ class Settings(BaseSettings):
     """Seconds between the autoscaler's decisions."""
     autoscale_concurrency: int = Field(default=1, ge=1)
     """Prefork processes (jobs at once) of each worker the autoscaler starts."""
+    autoscale_run_jobs: int = Field(default=0, ge=0)
+    """With N > 0, each RUN worker the autoscaler starts holds N jobs on one event loop
+    (`rollserve worker run --jobs N`) instead of `autoscale_concurrency` processes."""
     autoscale_target_busy_share: float = Field(default=0.8, gt=0, le=1)
     """Share of the workers' slots that waiting and running jobs should fill: the
     autoscaler starts workers until they do."""

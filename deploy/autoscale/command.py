@@ -15,7 +15,7 @@ import redis
 from broker.celery_app import QUEUES
 from core.settings import Settings
 from deploy.autoscale.autoscaler import Autoscaler, Step
-from deploy.autoscale.launcher import Launcher
+from deploy.autoscale.launcher import Launcher, slots
 from deploy.autoscale.policy import QueuePolicy, default_policy
 
 LAUNCHERS = ("local", "slurm", "k8s")
@@ -50,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let RUN go to no worker (with --run-min 0)",
     )
+    parser.add_argument(
+        "--run-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start RUN workers that hold N jobs each on one event loop (worker run --jobs N; "
+        "ROLLSERVE_AUTOSCALE_RUN_JOBS)",
+    )
     parser.add_argument("--once", action="store_true", help="make one decision and exit")
     parser.add_argument(
         "--interval",
@@ -82,8 +90,18 @@ def policies(args: argparse.Namespace, settings: Settings) -> dict[str, QueuePol
         }
         if queue == "run" and args.run_scale_to_zero:
             bounds["scale_to_zero"] = True
-        found[queue] = default_policy(queue, **shared, **bounds)
+        concurrency = slots(queue, settings.autoscale_concurrency, run_jobs(args, settings))
+        found[queue] = default_policy(queue, **{**shared, "concurrency": concurrency}, **bounds)
     return found
+
+
+def run_jobs(args: argparse.Namespace, settings: Settings) -> int:
+    """Jobs per RUN worker (0: prefork processes), from `--run-jobs` or the settings."""
+    given = getattr(args, "run_jobs", None)
+    chosen = settings.autoscale_run_jobs if given is None else given
+    if chosen < 0:
+        raise ValueError(f"--run-jobs must be 0 or more, not {chosen}")
+    return int(chosen)
 
 
 def make_launcher(args: argparse.Namespace, settings: Settings) -> Launcher:
@@ -94,6 +112,7 @@ def make_launcher(args: argparse.Namespace, settings: Settings) -> Launcher:
             log_dir=settings.data_dir / "logs" / "slurm",
             concurrency=settings.autoscale_concurrency,
             sbatch_args=shlex.split(args.sbatch_args),
+            run_jobs=run_jobs(args, settings),
         )
     if args.launcher == "k8s":
         from deploy.autoscale.kubernetes import KubernetesLauncher
@@ -105,7 +124,10 @@ def make_launcher(args: argparse.Namespace, settings: Settings) -> Launcher:
 
     env = {**os.environ, "ROLLSERVE_REDIS_URL": settings.redis_url or ""}
     return LocalLauncher(
-        env, settings.data_dir / "logs" / "autoscale", settings.autoscale_concurrency
+        env,
+        settings.data_dir / "logs" / "autoscale",
+        settings.autoscale_concurrency,
+        run_jobs=run_jobs(args, settings),
     )
 
 

@@ -32,6 +32,20 @@ def run_command(argv: list[str], env: dict[str, str], name: str) -> str:
     return done.stdout
 
 
+def worker_args(queue: str, concurrency: int, run_jobs: int = 0) -> list[str]:
+    """The slots of a worker the autoscaler starts on `queue`, as `rollserve worker` flags:
+    `run_jobs` jobs on one event loop for RUN when set (`--jobs`), else `concurrency` prefork
+    processes."""
+    if queue == "run" and run_jobs > 0:
+        return ["--jobs", str(run_jobs)]
+    return ["--concurrency", str(concurrency)]
+
+
+def slots(queue: str, concurrency: int, run_jobs: int = 0) -> int:
+    """How many jobs at once a worker started with `worker_args` holds."""
+    return run_jobs if queue == "run" and run_jobs > 0 else concurrency
+
+
 @dataclass(frozen=True)
 class Worker:
     """One worker a launcher started."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from broker.processes import spawn, stop_group
-from deploy.autoscale.launcher import Launcher, Worker
+from deploy.autoscale.launcher import Launcher, Worker, worker_args
 
 
 class LocalLauncher(Launcher):
@@ -38,10 +38,13 @@ class LocalLauncher(Launcher):
         log_dir: Path,
         concurrency: int = 1,
         stop_timeout: float = 300.0,
+        run_jobs: int = 0,
     ) -> None:
         self.env = env
         self.log_dir = log_dir
         self.concurrency = concurrency
+        self.run_jobs = run_jobs
+        """With N > 0, RUN workers hold N jobs each on one event loop (`--jobs N`)."""
         self.stop_timeout = stop_timeout
         self._running: dict[str, list[tuple[Worker, subprocess.Popen[bytes]]]] = {}
         self._stopping: list[subprocess.Popen[bytes]] = []
@@ -55,7 +58,7 @@ class LocalLauncher(Launcher):
             hostname = f"{queue}-auto-{uuid.uuid4().hex[:8]}@{node}"
             argv = [
                 sys.executable, "-m", "deploy.cli", "worker", queue,
-                "--concurrency", str(self.concurrency), "--hostname", hostname,
+                *worker_args(queue, self.concurrency, self.run_jobs), "--hostname", hostname,
             ]  # fmt: skip
             log_path = self.log_dir / f"{hostname.split('@')[0]}.log"
             proc = spawn(argv, env=self.env, log_path=str(log_path))

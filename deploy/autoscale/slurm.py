@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.autoscale.launcher import Launcher, Worker, run_command
+from deploy.autoscale.launcher import Launcher, Worker, run_command, slots
 
 WORKER_SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "worker.sbatch"
 ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED")
@@ -43,12 +43,15 @@ class SlurmLauncher(Launcher):
         job_prefix: str = "rollserve",
         script: Path = WORKER_SCRIPT,
         command: Sequence[str] = (sys.executable, "-m", "deploy.cli"),
+        run_jobs: int = 0,
     ) -> None:
         self.env = dict(os.environ if env is None else env)
         # What the batch script runs as `rollserve`: this interpreter's, unless told otherwise.
         self.env.setdefault("ROLLSERVE_COMMAND", shlex.join(command))
         self.log_dir = log_dir
         self.concurrency = concurrency
+        self.run_jobs = run_jobs
+        """With N > 0, RUN workers hold N jobs each on one event loop (`--jobs N`)."""
         self.sbatch_args = list(sbatch_args)
         self.job_prefix = job_prefix
         self.script = script
@@ -65,7 +68,9 @@ class SlurmLauncher(Launcher):
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             argv.append(f"--output={self.log_dir / '%x-%j.out'}")
-        argv += [*self.sbatch_args, str(self.script), queue, str(self.concurrency)]
+        mode = ["jobs"] if queue == "run" and self.run_jobs > 0 else []
+        per_worker = slots(queue, self.concurrency, self.run_jobs)
+        argv += [*self.sbatch_args, str(self.script), queue, str(per_worker), *mode]
         started = []
         for _ in range(count):
             job_id = self._run(argv).strip().split(";")[0]

@@ -88,3 +88,40 @@ def test_a_warm_stop_lets_the_running_job_finish(
             os.killpg(int(worker.id), 0)
     finally:
         launcher.close()
+
+
+def test_run_workers_with_jobs_hold_many_each_and_stop_warm(
+    runless_stack: Stack,
+    store: JobStore,
+    tmp_path: Path,
+    slow_task: dict[str, str],
+) -> None:
+    """`--run-jobs 4`: one RUN process takes a backlog of four slow jobs at once (the policy
+    counts its four slots), and its warm stop lets all four finish."""
+    launcher = LocalLauncher(
+        runless_stack.child_env(), tmp_path / "logs", stop_timeout=60, run_jobs=4
+    )
+    policy = default_policy("run", concurrency=4, min_workers=0, max_workers=3,
+                            scale_to_zero=True, scale_out_cooldown=0.0,
+                            scale_in_cooldown=0.0)  # fmt: skip
+    scaler = Autoscaler(launcher, {"run": policy}, lambda: read_loads(store))
+    try:
+        with RolloutClient(runless_stack.gateway_url) as client:
+            jobs = [str(client.submit_rollout(slow_task)) for _ in range(4)]
+            wait_until(lambda: read_loads(store)["run"].waiting == 4, 60, "4 jobs waiting on run")
+            (step,) = scaler.tick()
+            assert step.decision.desired == 2  # 4 jobs fill 80 % of two workers' 4 slots
+            launcher.scale("run", 1)
+            (worker,) = launcher.workers("run")
+            argv = Path(f"/proc/{worker.id}/cmdline").read_bytes().split(b"\0")
+            assert b"--jobs" in argv and b"--concurrency" not in argv
+            wait_until(lambda: read_loads(store)["run"].in_flight == 4, 60, "all 4 in RUN at once")
+            launcher.scale("run", 0)
+            wait_until(lambda: launcher.stopping == 0, 60, "the stopped worker to exit")
+            wait_until(lambda: all(status(client, j) not in ACTIVE for j in jobs), 60, "the ends")
+            finished = [client.get_rollout(j) for j in jobs]
+            assert [t.status for t in finished] == [JobStatus.completed] * 4, [
+                t.error for t in finished
+            ]
+    finally:
+        launcher.close()
