@@ -13,7 +13,8 @@ install: $(STAMP) system-deps
 
 # bubblewrap runs the sandboxes; slirp4netns and nftables give a box with network its own
 # namespace behind the egress proxy; tmux is the baseline of bench/tools.py; slurm-wlm and
-# munge run the one-node Slurm cluster of the tests marked `slurm`. Installed when missing
+# munge run the one-node Slurm cluster of the tests marked `slurm`; chromium and
+# chromium-driver run the console in the tests marked `browser`. Installed when missing
 # and we are root; otherwise the tests that need them skip and say why.
 system-deps:
 	@missing=""; \
@@ -21,6 +22,8 @@ system-deps:
 	command -v slirp4netns >/dev/null || missing="$$missing slirp4netns"; \
 	PATH="$$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || missing="$$missing nftables"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	PATH="$$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
 	PATH="$$PATH:/usr/sbin:/sbin" command -v munged >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \

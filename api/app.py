@@ -18,6 +18,7 @@ from api.deps import tenant_of
 from api.errors import error_responses, http_error, json_safe, validation_error
 from api.routes import backends, batches, rollouts, system
 from api.service import RequestError, Services
+from api.ui.routes import install as install_console
 from broker.celery_app import create_celery
 from broker.connections import redis_client
 from broker.jobstore import JobNotFound, JobStore
@@ -161,6 +162,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(backends.router, dependencies=auth, responses=v1)
     app.include_router(system.v1_router, dependencies=auth, responses=v1)
     app.include_router(system.open_router)
+    install_console(app)
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
 

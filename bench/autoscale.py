@@ -197,7 +197,7 @@ def run_fleet(
     }
 
 
-def draw(figures: dict[str, dict[str, Any]]) -> str | None:
+def draw(figures: dict[str, dict[str, Any]], path: Path = FIGURE) -> str | None:
     """The figure, or why there is none."""
     plt, missing = pyplot()
     if plt is None:
@@ -218,15 +218,16 @@ def draw(figures: dict[str, dict[str, Any]]) -> str | None:
         ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("seconds since the first burst (dotted: burst arrivals)")
     fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return str(FIGURE.relative_to(REPO))
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short trace (about a minute)")
+    parser.add_argument("--figure", type=Path, default=FIGURE)
     args = parser.parse_args(argv)
     # Quick: short jobs and gaps, so worker start-up weighs heavily; the full trace has jobs
     # and idle gaps closer to RL rollouts (seconds of inference per job, minutes between).
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             client.close()
 
-    figure = draw({"autoscaled": ours, f"static fleet of {peak}": static})
+    figure = draw({"autoscaled": ours, f"static fleet of {peak}": static}, args.figure)
     public = {k: v for k, v in ours.items() if not k.startswith("_")}
     base: dict[str, Any] = {k: v for k, v in static.items() if not k.startswith("_")}
     results["autoscaled"] = public

@@ -28,7 +28,9 @@ case, recovery under 60 s.
 
     .venv/bin/python bench/chaos.py [--quick] [--only FAULT,...]
 
-The last line printed is one JSON object with every figure and the conditions. A fault that
+The last line printed is one JSON object with every figure and the conditions; its
+figure (`--figure PATH`, default bench/figures/chaos.png) shows each fault's recovery against
+the aim and its batch time against the baseline's. A fault that
 cannot be staged here (no bubblewrap, not root) is recorded as skipped with the reason; one
 whose run raised is recorded as `{"failed": "..."}` and the others still run.
 """
@@ -60,6 +62,7 @@ import httpx
 import redis
 
 from api.client import RolloutClient, RolloutServiceError
+from bench.support.plot import add_figure_option, compare_bars, write_figure
 from bench.support.report import failure, print_json, run_baseline
 from broker.processes import free_port
 from core.settings import Settings
@@ -515,10 +518,51 @@ def meets_aims(entry: dict[str, Any]) -> bool:
     )
 
 
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """Per fault: seconds to recover against the aim, and the batch's time against the
+    no-fault baseline's, each bar marked with what was lost or duplicated."""
+    entries = {"none (baseline)": results["baseline"], **results["faults"]}
+
+    def value(entry: dict[str, Any], key: str) -> float | None:
+        return entry.get(key) if staged(entry) else None
+
+    def figure(plt: Any) -> Any:
+        if not any(staged(entry) for entry in entries.values()):
+            return None
+        fig, (recover, batch) = plt.subplots(1, 2, figsize=(13, 4.6))
+        compare_bars(
+            recover, [(name, value(e, "recover_s")) for name, e in entries.items()], unit="s"
+        )
+        recover.axhline(AIM_RECOVERY_S, color="tab:red", linestyle=":", label="aim")
+        recover.set_title("seconds to recover after the fault")
+        recover.legend(fontsize=8)
+        compare_bars(
+            batch,
+            [(name, value(e, "batch_s")) for name, e in entries.items()],
+            unit="s",
+            reference="none (baseline)",
+        )
+        batch.set_title("batch time, ratio to the batch without a fault")
+        counts = [
+            f"{name}: {e['lost']} lost, {e['duplicated']} duplicated, {e['failed']} failed"
+            for name, e in entries.items()
+            if staged(e) and (e["lost"] or e["duplicated"] or e["failed"])
+        ]
+        done = "; ".join(counts) or "every job completed once: none lost, none duplicated"
+        fig.suptitle(
+            f"Faults against a running batch{' (quick)' if results['quick'] else ''}\n{done}",
+            fontsize=10,
+        )
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches, shorter faults")
     parser.add_argument("--only", default="", help=f"comma-separated of: {', '.join(FAULTS)}")
+    add_figure_option(parser, "chaos")
     args = parser.parse_args(argv)
     chosen = [name for name in args.only.split(",") if name] or list(FAULTS)
     unknown = sorted(set(chosen) - set(FAULTS))
@@ -561,23 +605,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{entry.get('slowdown', '-'):>10}"
         )
     met = [meets_aims(e) for e in results.values() if "skipped" not in e]
-    print_json(
-        {
-            "bench": "chaos",
-            "quick": args.quick,
-            "aims": {"lost": 0, "duplicated": 0, "recover_s_below": AIM_RECOVERY_S},
-            "all_met": bool(met) and all(met),
-            "baseline": baseline,
-            "faults": results,
-            "conditions": {
-                "model_delay_s": DELAY_S,
-                "deadline_s": DEADLINE_S,
-                "workers": "init 1 of 1 process, run 2 of 2, eval 1 of 1 (node_lost: 1 more each)",
-                "settings": "defaults (heartbeat TTL 20 s, sweep every 10 s)",
-                "cpus": os.cpu_count(),
-            },
-        }
-    )
+    report: dict[str, Any] = {
+        "bench": "chaos",
+        "quick": args.quick,
+        "aims": {"lost": 0, "duplicated": 0, "recover_s_below": AIM_RECOVERY_S},
+        "all_met": bool(met) and all(met),
+        "baseline": baseline,
+        "faults": results,
+        "conditions": {
+            "model_delay_s": DELAY_S,
+            "deadline_s": DEADLINE_S,
+            "workers": "init 1 of 1 process, run 2 of 2, eval 1 of 1 (node_lost: 1 more each)",
+            "settings": "defaults (heartbeat TTL 20 s, sweep every 10 s)",
+            "cpus": os.cpu_count(),
+        },
+    }
+    figure = draw(report, args.figure)
+    report["figure"] = str(figure) if figure else None
+    print_json(report)
     return 0
 
 

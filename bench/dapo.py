@@ -26,7 +26,9 @@ settled time (what waiting for whole rounds leaves idle).
 
     .venv/bin/python bench/dapo.py [--quick]
 
-The last line printed is one JSON object with every figure and the conditions. A baseline
+The last line printed is one JSON object with every figure and the conditions; its
+figure (`--figure PATH`, default bench/figures/dapo.png) shows each mode's time to K against
+(a) and its rollout-seconds used, filtered and wasted. A baseline
 mode, (a) or (b), that fails is recorded as `{"failed": "..."}` (its batches are cancelled,
 ratios against it are null) and not run again; (c) is still run and reported.
 """
@@ -57,6 +59,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import redis
 
 from api.client import RolloutClient, RolloutServiceError
+from bench.support.plot import add_figure_option, compare_bars, measured, write_figure
 from bench.support.report import print_json, run_baseline
 from broker.processes import free_port
 from core.settings import Settings
@@ -304,9 +307,56 @@ def warm_up(client: RolloutClient, jobs: int) -> None:
     list(client.iter_batch_results(batch.batch_id))
 
 
+NAMES = {"a": "(a) round-synchronous", "b": "(b) refill, no cancel", "c": "(c) rollserve"}
+
+
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """Time to K informative groups per mode (speed-up against (a)), and its rollout-seconds
+    split into used, filtered and wasted (medians over the loops)."""
+    modes = [m for m in NAMES if measured(results.get(m))]
+
+    def part(mode: str, name: str) -> float:
+        return statistics.median(run["rollout_seconds"][name] for run in results[mode]["runs"])
+
+    def figure(plt: Any) -> Any:
+        fig, (time_ax, work_ax) = plt.subplots(1, 2, figsize=(10, 4))
+        compare_bars(
+            time_ax,
+            [
+                (NAMES[m], results[m]["to_target_all_steps_s_median"] if m in modes else None)
+                for m in NAMES
+            ],
+            unit="s",
+            reference=NAMES["a"],
+            highlight=NAMES["c"],
+            speedup=True,
+        )
+        time_ax.set_title("time to K informative groups, all steps")
+        bottom = [0.0] * len(modes)
+        for name, colour in zip(PARTS, ("tab:green", "tab:gray", "tab:red"), strict=True):
+            heights = [part(m, name) for m in modes]
+            work_ax.bar([NAMES[m] for m in modes], heights, bottom=bottom, color=colour, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        for x, m in enumerate(modes):
+            work_ax.annotate(
+                f"{results[m]['wasted_share_median']:.1%} wasted", (x, bottom[x]), xytext=(0, 2),
+                textcoords="offset points", ha="center", fontsize=8,
+            )  # fmt: skip
+        work_ax.tick_params(axis="x", labelrotation=20)
+        work_ax.set_ylabel("rollout-seconds")
+        work_ax.set_title("rollout-seconds by use")
+        work_ax.margins(y=0.3)
+        work_ax.legend(fontsize=8, loc="upper center", ncol=3)
+        fig.suptitle("DAPO dynamic sampling: three modes on one stack")
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short loop (about a minute)")
+    add_figure_option(parser, "dapo")
     args = parser.parse_args(argv)
     pool_size, target, inflight = (32, 8, 4) if args.quick else (64, 16, 4)
     steps, repeats = (2, 1) if args.quick else (2, 2)
@@ -437,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         "workers": {"init": 2, "run": run_workers, "eval": 2},
         "cores": os.cpu_count(),
     }
+    figure = draw(results, args.figure)
+    results["figure"] = str(figure) if figure else None
     print_json(results)
     return 0
 

@@ -15,7 +15,9 @@ vLLM (or with `--no-vllm`) that row is `{"failed": "<why>"}`.
 
     .venv/bin/python bench/pipeline.py [--quick] [--no-vllm]
 
-The last line printed is one JSON object with every figure and the conditions. If the Celery
+The last line printed is one JSON object with every figure and the conditions; its
+figure (`--figure PATH`, default bench/figures/pipeline.png) shows the overhead against the
+Celery floor and the throughput against linear scaling. If the Celery
 baseline fails, its figure is `{"failed": "..."}` and the ratio against it null.
 """
 
@@ -41,6 +43,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import redis
 
 from api.client import RolloutClient
+from bench.support.plot import add_figure_option, compare_bars, measured, write_figure
 from bench.support.report import failure, has_failed, print_json, run_baseline
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, spawn, stop_group
@@ -90,24 +93,53 @@ def start(work: Path, model: Path, run_workers: int, delay: float, vllm: bool = 
     return Stack(settings, options).start()
 
 
+PARTS = ("submit", "hops", "init", "run_without_model", "eval", "delivery")
+"""Where a job's overhead goes (`overhead_parts`): the gateway accepting it (client start until
+its record exists), the queue hops between stages (Celery's delivery, `timing.queue`), the
+stages' own work (`run` without its model calls), and the result reaching the waiting client
+(the job's end until the client has it)."""
+
+
+def overhead_parts(started_at: float, total: float, traj: Trajectory) -> dict[str, float]:
+    """Seconds of each of `PARTS` for one job (wall clock; same machine)."""
+    timing = traj.timing
+    created = traj.created_at if traj.created_at is not None else started_at
+    finished = traj.finished_at if traj.finished_at is not None else created
+    return {
+        "submit": created - started_at,
+        "hops": timing.queue or 0.0,
+        "init": timing.init or 0.0,
+        "run_without_model": (timing.run or 0.0) - timing.llm,
+        "eval": timing.eval or 0.0,
+        "delivery": started_at + total - finished,
+    }
+
+
 def measure_overhead(
     client: RolloutClient, jobs: int, sampling: dict[str, Any] | None = None, warm: int = 3
-) -> dict[str, float]:
+) -> dict[str, Any]:
     overheads: list[float] = []
     totals: list[float] = []
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
     for _ in range(warm):  # warm up the workers' connections and template caches
         client.submit_rollout(TASK, sampling=sampling, wait=True, timeout=300)
     for _ in range(jobs):
+        started_at = time.time()
         started = time.perf_counter()
         traj = client.submit_rollout(TASK, sampling=sampling, wait=True, timeout=300)
         total = time.perf_counter() - started
         assert isinstance(traj, Trajectory) and traj.status is JobStatus.completed, traj
         totals.append(total)
         overheads.append(total - traj.timing.llm)
+        for name, seconds in overhead_parts(started_at, total, traj).items():
+            parts[name].append(seconds)
     return {
         "overhead_p50_ms": 1000 * statistics.median(overheads),
         "overhead_p99_ms": 1000 * percentile(overheads, 99),
         "total_p50_ms": 1000 * statistics.median(totals),
+        "overhead_parts_p50_ms": {
+            name: round(1000 * statistics.median(values), 2) for name, values in parts.items()
+        },
         "jobs": jobs,
     }
 
@@ -194,10 +226,53 @@ def measure_throughput(client: RolloutClient, jobs: int, workers: int) -> float:
     return jobs / elapsed
 
 
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """Per-job overhead p50 against the bare Celery chain (and beside the real vLLM), and
+    throughput by run workers against linear scaling from one."""
+    floor = results["celery_3hop_floor_p50_ms"]
+    vllm = results["real_vllm"]
+    rates = {int(k): v for k, v in results["throughput_jobs_per_s"].items()}
+
+    def figure(plt: Any) -> Any:
+        fig, (over, scale) = plt.subplots(1, 2, figsize=(10, 4))
+        compare_bars(
+            over,
+            [
+                ("bare Celery 3-hop chain", floor if isinstance(floor, int | float) else None),
+                ("rollserve, dev server", results["overhead_p50_ms"]),
+                ("rollserve, real vLLM", vllm["overhead_p50_ms"] if measured(vllm) else None),
+            ],
+            unit="ms",
+            reference="bare Celery 3-hop chain",
+            highlight="rollserve, dev server",
+        )
+        over.set_title("pipeline overhead per job, p50")
+        workers = sorted(rates)
+        one = rates[workers[0]] / workers[0]
+        scale.plot(workers, [rates[w] for w in workers], "o-", label="measured")
+        scale.plot(workers, [one * w for w in workers], ":", color="grey", label="linear from 1")
+        for w in workers:
+            scale.annotate(
+                f"{rates[w]:.3g} jobs/s\n{rates[w] / rates[workers[0]]:.2f}x", (w, rates[w]),
+                xytext=(4, -18), textcoords="offset points", fontsize=8,
+            )  # fmt: skip
+        scale.set_xticks(workers)
+        scale.set_ylim(bottom=0)
+        scale.set_xlabel("run worker processes")
+        scale.set_ylabel("jobs/s")
+        scale.set_title("throughput, backend answering after 0.1 s")
+        scale.grid(alpha=0.3)
+        scale.legend()
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer jobs (under about a minute)")
     parser.add_argument("--no-vllm", action="store_true", help="leave out the real-vLLM row")
+    add_figure_option(parser, "pipeline")
     args = parser.parse_args(argv)
     overhead_jobs = 40 if args.quick else 200
     batch_jobs = 24 if args.quick else 96
@@ -246,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'overhead per job p50 (ms)':<36}{results['overhead_p50_ms']:>12.1f}")
     print(f"{'overhead per job p99 (ms)':<36}{results['overhead_p99_ms']:>12.1f}")
     print(f"{'submit→completed p50 (ms)':<36}{results['total_p50_ms']:>12.1f}")
+    for name, ms in results["overhead_parts_p50_ms"].items():
+        print(f"{f'  of which {name} p50 (ms)':<36}{ms:>12.2f}")
     print(f"{'per tool turn overhead p50 (ms)':<36}{results['turn_overhead_p50_ms']:>12.2f}")
     print(f"{'per tool turn overhead p99 (ms)':<36}{results['turn_overhead_p99_ms']:>12.2f}")
     if isinstance(floor, float):
@@ -265,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'real vLLM: overhead per job p50 (ms)':<36}{vllm_row['overhead_p50_ms']:>12.1f}")
         print(f"{'real vLLM: overhead per job p99 (ms)':<36}{vllm_row['overhead_p99_ms']:>12.1f}")
         print(f"{'real vLLM: submit→completed p50 (ms)':<36}{vllm_row['total_p50_ms']:>12.1f}")
+    figure = draw(results, args.figure)
+    results["figure"] = str(figure) if figure else None
     print_json(results)
     return 0
 

@@ -70,7 +70,9 @@ the uncached prompt tokens computed.
 `--quick` runs 4 backends (one big), 64 slots and 300 jobs: a second or so instead of ~10 s.
 The last line printed is one JSON object with every figure and the parameters. A baseline
 policy that fails is recorded as `{"failed": "..."}` (ratios against round-robin are null if
-it is round-robin); rollserve's own policies are still run and reported.
+it is round-robin); rollserve's own policies are still run and reported. The figure
+(`--figure PATH`, default bench/figures/routing.png) shows each policy's throughput against
+round-robin's and its prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.pop(0)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.support.plot import add_figure_option, compare_bars, write_figure
 from bench.support.report import finite, has_failed, print_json, run_baseline
 
 SYSTEM_KEY = -1
@@ -678,10 +681,42 @@ def run_policies(params: Params, names: list[str], jobs: list[Job]) -> dict[str,
     return runs
 
 
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """Throughput per policy against round-robin's, and its prefix-cache hit rate."""
+    runs = results["results"]
+
+    def value(name: str, key: str, scale: float = 1.0) -> float | None:
+        entry = runs[name]
+        return None if has_failed(entry) else scale * entry[key]
+
+    def figure(plt: Any) -> Any:
+        fig, (speed, hits) = plt.subplots(1, 2, figsize=(12, 4.2))
+        ours = "rollserve" if "rollserve" in runs else None
+        compare_bars(
+            speed,
+            [(name, value(name, "throughput_jobs_per_s")) for name in runs],
+            unit="jobs/s",
+            reference="round-robin",
+            highlight=ours,
+        )
+        speed.set_title("throughput (jobs / makespan), ratio to round-robin")
+        compare_bars(
+            hits, [(name, value(name, "hit_rate", 100)) for name in runs], unit="%", highlight=ours
+        )
+        hits.set_title("prefix-cache hit rate")
+        fleet = f"{len(results['capacities'])} backends, capacities {results['capacities']}"
+        jobs = results["params"]["jobs"]
+        fig.suptitle(f"Backend assignment policies, simulated fleet: {jobs} jobs on {fleet}")
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller fleet, a few seconds")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    add_figure_option(parser, "routing")
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
@@ -769,6 +804,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "elapsed_s": elapsed,
     }
+    figure = draw(output, options.figure)
+    output["figure"] = str(figure) if figure else None
     if options.json is not None:
         options.json.write_text(json.dumps(finite(output), indent=2, allow_nan=False) + "\n")
     print_json(output)

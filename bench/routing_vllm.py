@@ -25,6 +25,8 @@ both engines, so each engine needs room for all of them.
     .venv/bin/python bench/routing_vllm.py [--quick]
 
 It needs `make vllm`; without it the run says why and its JSON carries `{"failed": ...}`.
+The figure (`--figure PATH`, default bench/figures/routing_vllm.png) shows both arms' engine
+figures, rollserve's as ratios to round-robin's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.support.engines import Engine, EngineUnavailable, start_engines, stop_engines  # noqa: E402
+from bench.support.plot import add_figure_option, compare_bars, write_figure  # noqa: E402
 from bench.support.report import print_json  # noqa: E402
 from broker.embedded import EmbeddedRedis  # noqa: E402
 from core.schemas import BackendSpec  # noqa: E402
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int)
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--blocks", type=int, default=0, help="KV blocks per engine (0: sized)")
+    add_figure_option(parser, "routing_vllm")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = dict(QUICK) if args.quick else {}
     overrides.update(
@@ -374,8 +378,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{blocks} KV blocks of {BLOCK} tokens per engine")
 
     results = {"benchmark": "routing_vllm", **conditions, **compare(params, jobs, blocks)}
+    figure = draw(results, args.figure)
+    results["figure"] = str(figure) if figure else None
     print_json(results)
     return 0
+
+
+PANELS = (
+    ("prefix-cache hit rate", "prefix_cache_hit_rate", 100.0, "%"),
+    ("prompt tokens prefilled", "prefill_tokens", 1.0, "tokens"),
+    ("mean time to first token", "ttft_mean_ms", 1.0, "ms"),
+    ("wall time", "wall_s", 1.0, "s"),
+)
+
+
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """The engines' own figures for both arms, rollserve's as a ratio to round-robin's; no
+    figure when the engines could not run."""
+    arms: dict[str, dict[str, Any]] = results.get("arms", {})
+    labels = {"round_robin": "round-robin", "rollserve": "rollserve"}
+
+    def figure(plt: Any) -> Any:
+        if not arms:
+            return None
+        fig, axes = plt.subplots(1, len(PANELS), figsize=(14, 4))
+        for ax, (title, key, scale, unit) in zip(axes, PANELS, strict=True):
+            bars = [
+                (labels.get(name, name), None if arm[key] is None else scale * arm[key])
+                for name, arm in arms.items()
+            ]
+            compare_bars(ax, bars, unit=unit, reference="round-robin", highlight="rollserve")
+            ax.set_title(title)
+        jobs = results["params"]["jobs"]
+        fig.suptitle(f"Two real vLLM engines (CPU build), {jobs} multi-turn jobs: routing")
+        return fig
+
+    return write_figure(path, figure)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

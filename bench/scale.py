@@ -13,7 +13,11 @@ N jobs (`--jobs N`, or N prefork processes) and a batch of 2N jobs keeps it full
   whole worker / in flight, what a process per job costs);
 - per-turn overhead: each model turn's wall time minus the server's known delay and the tool
   time (`turn_seconds`, or `llm_seconds` for a last turn) — what routing, templating, the job
-  store, HTTP and the event loop add to a turn; p50 and p99;
+  store, HTTP and the event loop add to a turn; p50 and p99; and the part outside the model
+  call (wall time minus the call and the tools: what `bench/pipeline.py` counts per turn);
+- CPU per model turn of each part of the stack (RUN worker, INIT and EVAL workers, the
+  backend, the gateway, Redis; /proc utime+stime, reaped children included) and the cores
+  busy: where the machine's cores go when the turn overhead grows;
 - throughput: jobs/s over the middle half of the batch, against what the backend allows
   (N jobs in flight / each job's mean time waiting on the server);
 - Redis: bytes written per generated or observed token (INFO `total_net_input_bytes`, every
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -137,6 +142,46 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process, its live descendants and the children it has reaped."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # utime, stime, cutime, cstime: fields 14-17 of proc(5), 12-15 after the name
+        total += sum(int(x) for x in fields[11:15])
+    return total / TICKS
+
+
+def stack_pids(stack: Stack) -> dict[str, list[int]]:
+    """The stack's processes by part: run worker, INIT and EVAL workers, backend, gateway,
+    Redis."""
+    parts: dict[str, list[int]] = {}
+    for name, child in stack.children.items():
+        part = name
+        if name.startswith("worker-run"):
+            part = "run_worker"
+        elif name.startswith(("worker-init", "worker-eval")):
+            part = "init_eval_workers"
+        elif name == "dev-backend":
+            part = "backend"
+        parts.setdefault(part, []).append(child.pid)
+    redis_pid = stack.redis.pid if stack.redis is not None else None
+    if redis_pid:
+        parts["redis"] = [redis_pid]
+    return parts
+
+
+def cpu_by_part(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each part of the stack (`stack_pids`)."""
+    return {part: sum(map(cpu_seconds, pids)) for part, pids in stack_pids(stack).items()}
+
+
 def redis_info(url: str) -> dict[str, Any]:
     client = redis.Redis.from_url(url)
     try:
@@ -184,8 +229,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def turn_overheads(trajectories: list[Trajectory]) -> list[float]:
-    """Per model turn: its wall time minus the server's delay and the tool time, in ms."""
+def turn_overheads(trajectories: list[Trajectory], outside_call: bool = False) -> list[float]:
+    """Per model turn: its wall time minus the server's delay and the tool time, in ms. With
+    `outside_call`, minus the whole model call instead (its HTTP, the server's own work and
+    queueing): what the worker adds around the call, as `bench/pipeline.py` counts it."""
     out: list[float] = []
     for traj in trajectories:
         delay = delay_of(traj)
@@ -196,7 +243,7 @@ def turn_overheads(trajectories: list[Trajectory]) -> list[float]:
             following = turns[i + 1] if i + 1 < len(turns) else None
             tools = getattr(following, "tool_seconds", None) or 0.0
             wall = turn.turn_seconds or turn.llm_seconds
-            out.append((wall - delay - tools) * 1000)
+            out.append((wall - (turn.llm_seconds if outside_call else delay) - tools) * 1000)
     return out
 
 
@@ -205,6 +252,7 @@ def measure_level(stack: Stack, level: int, sandboxed: int, pid: int) -> dict[st
     count = 2 * level
     idle_pss = pss_mb(pid)
     before = redis_info(stack.redis_url)
+    cpu_before = cpu_by_part(stack)
     with (
         httpx.Client(base_url=stack.gateway_url, timeout=30) as http,
         RolloutClient(stack.gateway_url, timeout=300) as client,
@@ -224,8 +272,10 @@ def measure_level(stack: Stack, level: int, sandboxed: int, pid: int) -> dict[st
             results.append(traj)
         wall = time.monotonic() - started
     after = redis_info(stack.redis_url)
+    cpu_after = cpu_by_part(stack)
     completed = [t for t in results if t.status is JobStatus.completed]
     overheads = turn_overheads(completed)
+    outside = turn_overheads(completed, outside_call=True)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in results)
     waits = [delay_of(t) * sum(1 for x in t.turns if x.type == "model") for t in completed]
     # Throughput over the middle half of the batch: the worker full, neither filling nor draining.
@@ -234,6 +284,7 @@ def measure_level(stack: Stack, level: int, sandboxed: int, pid: int) -> dict[st
     jobs_per_s = middle / (hi - lo) if hi > lo else None
     allowed = level / statistics.fmean(waits) if waits else None
     in_flight = max(1, sampler.peak_in_run)
+    model_turns = max(1, sum(1 for t in results for x in t.turns if x.type == "model"))
     return {
         "level": level,
         "jobs": count,
@@ -248,10 +299,21 @@ def measure_level(stack: Stack, level: int, sandboxed: int, pid: int) -> dict[st
         "turns": len(overheads),
         "turn_overhead_p50_ms": round(percentile(overheads, 0.5) or 0.0, 2),
         "turn_overhead_p99_ms": round(percentile(overheads, 0.99) or 0.0, 2),
+        "turn_overhead_outside_call_p50_ms": round(percentile(outside, 0.5) or 0.0, 2),
+        "turn_overhead_outside_call_p99_ms": round(percentile(outside, 0.99) or 0.0, 2),
         "jobs_per_s": round(jobs_per_s, 2) if jobs_per_s else None,
         "backend_allows_jobs_per_s": round(allowed, 2) if allowed else None,
         "throughput_vs_backend": round(jobs_per_s / allowed, 3) if jobs_per_s and allowed else None,
         "wall_s": round(wall, 1),
+        # Where the machine's cores went, per model turn: the RUN worker's share is what
+        # rollserve costs a turn there; the backend's is the stand-in server's.
+        "cpu_ms_per_turn": {
+            part: round(1000 * (cpu_after[part] - cpu_before.get(part, 0.0)) / model_turns, 3)
+            for part in sorted(cpu_after)
+        },
+        "cpu_cores_busy": round(
+            (sum(cpu_after.values()) - sum(cpu_before.values())) / max(wall, 1e-9), 2
+        ),
         "redis_bytes_in_per_token": round(
             (after["total_net_input_bytes"] - before["total_net_input_bytes"]) / max(1, tokens), 1
         ),
@@ -296,9 +358,15 @@ def describe(row: dict[str, Any]) -> str:
         f"{row['kind']:>8} {row['level']:>6} in flight (peak {row['in_flight_peak']:>5})  "
         f"{row['memory_per_inflight_job_mb']:>7.2f} MB/job  "
         f"turn overhead p50 {row['turn_overhead_p50_ms']:>7.2f} ms  "
-        f"p99 {row['turn_overhead_p99_ms']:>8.2f} ms  "
+        f"p99 {row['turn_overhead_p99_ms']:>8.2f} ms "
+        f"(outside the call p50 {row['turn_overhead_outside_call_p50_ms']:.2f} ms)  "
         f"{row['jobs_per_s'] or 0:>7.2f} jobs/s (backend allows "
         f"{row['backend_allows_jobs_per_s'] or 0:.2f})  completed {row['completed']}/{row['jobs']}"
+        "\n"
+        + " " * 16
+        + "CPU ms per turn: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in row["cpu_ms_per_turn"].items())
+        + f"  ({row['cpu_cores_busy']} cores busy)"
     )
 
 
@@ -374,6 +442,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "worker_pss_per_inflight_job_mb": top["worker_pss_per_inflight_job_mb"],
         "turn_overhead_p50_ms_at_max": top["turn_overhead_p50_ms"],
         "turn_overhead_p99_ms_at_max": top["turn_overhead_p99_ms"],
+        "turn_overhead_outside_call_p50_ms_at_max": top["turn_overhead_outside_call_p50_ms"],
+        "cpu_ms_per_turn_at_max": top["cpu_ms_per_turn"],
+        "cpu_cores_busy_at_max": top["cpu_cores_busy"],
         "prefork_memory_per_inflight_job_mb": prefork_top["worker_pss_per_inflight_job_mb"]
         if prefork_top
         else None,

@@ -52,7 +52,9 @@ returns stdlib source text):
 
 The last line printed is one JSON object with every figure and the conditions (`--json` also
 writes it to a file). Should the re-tokenizing baseline fail on a row, that row's drift
-figures are `"retokenized": {"failed": "..."}` and rollserve's are still reported.
+figures are `"retokenized": {"failed": "..."}` and rollserve's are still reported. The figure
+(`--figure PATH`, default bench/figures/tokens.png) shows, per generator, the share of
+trajectories and tokens that differ in rollserve's record and after re-tokenizing.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from typing import Any
 import httpx
 
 from bench.support.engines import Engine, EngineUnavailable, start_engines, stop_engines
+from bench.support.plot import add_figure_option, measured, write_figure
 from bench.support.report import failed_baseline, finite, print_json
 from broker.processes import free_port, spawn, stop_group
 from core.schemas import EnvTurn, ModelTurn
@@ -1124,6 +1127,60 @@ async def bench(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
     return params, rows
 
 
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """Per generator: the share of trajectories and of generated tokens that differ from what
+    was generated, in rollserve's record and after re-tokenizing (absent where it failed)."""
+    rows = results["rows"]
+
+    def figure(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.7 * len(rows)), sharey=True)
+        names = [
+            f"{r['generator']}\n{r['trajectories']} traj., {r['generated_tokens']:,} tok."
+            for r in rows
+        ]
+        places = list(range(len(rows)))
+        panels = (
+            (
+                "trajectories",
+                "record_differing_sequences",
+                "trajectories",
+                "drift_trajectories_pct",
+            ),
+            (
+                "generated tokens",
+                "record_mismatched_tokens",
+                "generated_tokens",
+                "drift_tokens_pct",
+            ),
+        )
+        for ax, (what, ours_part, whole, theirs_key) in zip(axes, panels, strict=True):
+            ours = [100.0 * r[ours_part] / r[whole] if r[whole] else 0.0 for r in rows]
+            theirs = [
+                r.get(theirs_key) if measured(r.get("retokenized", {})) else None for r in rows
+            ]
+            ax.barh([y - 0.2 for y in places], ours, height=0.4, color="tab:orange",
+                    label="rollserve record")  # fmt: skip
+            ax.barh([y + 0.2 for y in places if theirs[y] is not None],
+                    [t for t in theirs if t is not None], height=0.4, color="tab:gray",
+                    label="re-tokenized text")  # fmt: skip
+            for y in places:
+                ax.annotate(f"{ours[y]:.3g} %", (ours[y], y - 0.2), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=8)  # fmt: skip
+                label = "failed" if theirs[y] is None else f"{theirs[y]:.3g} %"
+                ax.annotate(label, (theirs[y] or 0.0, y + 0.2), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=8)  # fmt: skip
+            ax.set_yticks(places, names, fontsize=8)
+            ax.set_xlabel(f"% of {what} that differ from what was generated")
+            ax.margins(x=0.2)
+            ax.grid(axis="x", alpha=0.3)
+        axes[0].set_ylim(len(rows) - 0.5, -0.5)  # the first row on top (the y axis is shared)
+        axes[0].legend(fontsize=8, loc="lower right")
+        fig.suptitle("Token fidelity: rollserve's record against re-tokenizing the text")
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer episodes (well under a minute)")
@@ -1131,6 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="an existing tiny model directory to reuse")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--no-vllm", action="store_true", help="leave out the real-vLLM row")
+    add_figure_option(parser, "tokens")
     args = parser.parse_args(argv)
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
     started = time.perf_counter()
@@ -1180,6 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"bench": "tokens", "params": params}
     results["rows"] = [r.as_dict() for r in rows]
     results["seconds"] = round(elapsed, 2)
+    figure = draw(results, args.figure)
+    results["figure"] = str(figure) if figure else None
     if args.json:
         args.json.write_text(json.dumps(finite(results), indent=2, allow_nan=False) + "\n")
     print_json(results)

@@ -22,7 +22,8 @@ Measured in one run, on this machine:
 
     .venv/bin/python bench/tools.py [--quick]
 
-The last line printed is one JSON object with every figure and the conditions. A baseline
+The last line printed is one JSON object with every figure and the conditions; its
+figure (`--figure PATH`, default bench/figures/tools.png) shows each p50 against ours. A baseline
 that fails (SWE-ReX timing out under load, tmux or the HTTP hop not starting) is recorded as
 `{"failed": "..."}` in place of its figures, ratios against it are null, and ours are still
 reported.
@@ -59,6 +60,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.pop(0)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.support.plot import add_figure_option, compare_bars, measured, write_figure
 from bench.support.report import failed_baseline, has_failed, print_json, run_baseline
 from sandbox.cgroups import enforced_limits
 from sandbox.network import missing as network_missing
@@ -530,10 +532,53 @@ def row(name: str, figures: dict[str, Any], ours: dict[str, Any] | None = None) 
     return f"  {name:<44}{times}" + (f"{versus:>9.1f}x" if versus is not None else f"{'':>10}")
 
 
+def p50(entry: Any) -> float | None:
+    """An arm's p50 in ms, None when it failed or is absent."""
+    return float(entry["p50_ms"]) if measured(entry) else None
+
+
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """p50 latency of every arm against ours, per bash workload, for IPython and for a
+    sandbox's start (against the bwrap box with rlimits only)."""
+    bash, ipython, startup = results["bash"], results["ipython_1plus1"], results["startup"]
+
+    def figure(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, 4, figsize=(15, 4.2))
+        for ax, (workload, title) in zip(
+            axes, (("true", "bash `true`"), ("100k", "bash printing 100 kB")), strict=False
+        ):
+            entry = bash[workload]
+            arms = [
+                ("ours, Unix socket", p50(entry["ours_unix"])),
+                ("ours, TCP", p50(entry["ours_tcp"])),
+            ]
+            if "tmux_best" in entry:
+                arms.append(("tmux (best poll)", p50(entry["tmux_best"])))
+            arms.append(("SWE-ReX", p50(entry["swerex"])))
+            compare_bars(ax, arms, unit="ms", reference="ours, Unix socket", log=True)
+            ax.set_title(f"{title}: p50 round trip")
+        compare_bars(
+            axes[2],
+            [("ours, kernel direct", p50(ipython["direct"])), ("HTTP hop", p50(ipython["http"]))],
+            unit="ms",
+            reference="ours, kernel direct",
+        )
+        axes[2].set_title("IPython `1+1`: p50")
+        boxes = [(where, p50(values["ready"])) for where, values in startup.items()]
+        reference = "bwrap, rlimits only" if "bwrap, rlimits only" in startup else None
+        compare_bars(axes[3], boxes, unit="ms", reference=reference, highlight="bwrap")
+        axes[3].set_title("sandbox create until ready: p50")
+        fig.suptitle("Tool actions: rollserve's tool server against the baselines (ratios to ours)")
+        return fig
+
+    return write_figure(path, figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a run under about a minute")
     parser.add_argument("--http-kernel-server", type=int, help=argparse.SUPPRESS)
+    add_figure_option(parser, "tools")
     options = parser.parse_args(argv)
     if options.http_kernel_server:
         serve_http_kernel("127.0.0.1", options.http_kernel_server)
@@ -689,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             "ours": "ToolClient (blocking) -> asyncio tool server -> ptyprocess bash",
         },
     }
+    figure = draw(result, options.figure)
+    result["figure"] = str(figure) if figure else None
     print_json(result)
     return 0
 

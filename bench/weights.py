@@ -11,6 +11,8 @@ loaded (as measured right after the first load of each).
     .venv/bin/python bench/weights.py [--quick]
 
 It needs `make vllm`; without it the run says why and its JSON carries `{"failed": ...}`.
+The figure (`--figure PATH`, default bench/figures/weights.png) shows the restart against the
+switch and every switch's time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.support.engines import EngineUnavailable, start_engines, stop_engines  # noqa: E402
+from bench.support.plot import add_figure_option, compare_bars, write_figure  # noqa: E402
 from bench.support.report import failure, print_json  # noqa: E402
 from core.schemas import Backend  # noqa: E402
 from routing.devserver.tiny import make_tiny_model  # noqa: E402
@@ -93,6 +96,7 @@ def run(switches: int, work: Path) -> dict[str, Any]:
         "switch_p50_s": p50,
         "switch_max_s": max(times),
         "switches": len(times),
+        "switch_s": [round(t, 4) for t in times],
         "restart_s": restart,
         "restart_over_switch": restart / p50,
         "model": "tiny-qwen3 (tied embeddings)",
@@ -100,17 +104,57 @@ def run(switches: int, work: Path) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def draw(results: dict[str, Any], path: Path) -> Path | None:
+    """A restart against the in-place switch (p50, on a log scale), and every switch's time;
+    no figure when vLLM could not run."""
+
+    def figure(plt: Any) -> Any:
+        if "switch_p50_s" not in results:
+            return None
+        fig, (versus, each) = plt.subplots(1, 2, figsize=(10, 4))
+        compare_bars(
+            versus,
+            [
+                ("restart (baseline)", results["restart_s"]),
+                ("in-place switch p50", results["switch_p50_s"]),
+            ],
+            unit="s",
+            reference="restart (baseline)",
+            highlight="in-place switch p50",
+            log=True,
+            speedup=True,
+        )
+        versus.set_title("new weights on a running vLLM")
+        times = results["switch_s"]
+        each.plot(range(1, len(times) + 1), times, "o-", color="tab:orange")
+        each.axhline(results["switch_p50_s"], color="grey", linestyle=":", label="p50")
+        each.set_ylim(bottom=0)
+        each.set_xlabel("switch")
+        each.set_ylabel("s")
+        each.set_title(f"each of {len(times)} switches (checked by its logprobs)")
+        each.grid(alpha=0.3)
+        each.legend()
+        fig.suptitle(f"Switching weights: {results['engine']}, {results['model']}")
+        return fig
+
+    return write_figure(path, figure)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 switches instead of 15")
-    args = parser.parse_args()
+    add_figure_option(parser, "weights")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-weights-") as tmp:
         try:
             result = run(5 if args.quick else 15, Path(tmp))
         except EngineUnavailable as exc:
             print(f"no vLLM: {exc}")
             result = failure(exc)
-    print_json({"benchmark": "weights", **result})
+    results = {"benchmark": "weights", **result}
+    figure = draw(results, args.figure)
+    results["figure"] = str(figure) if figure else None
+    print_json(results)
     return 0
 
 

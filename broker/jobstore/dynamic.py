@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker.jobstore.base import StoreBase, text
+from broker.jobstore.listing import index_batch, unindex_batch
 from broker.jobstore.model import DynamicOptions, JobNotFound, PoolTask
 from core.schemas import DynamicProgress, JobStatus
 
@@ -75,6 +76,7 @@ class Dynamic(StoreBase):
         )
         pipe.hset(self._bkey(batch_id, "spec"), mapping=spec)
         pipe.rpush(self._bkey(batch_id, "draws"), *range(len(pool)))
+        index_batch(pipe, self.p, batch_id, now, self.ttl)
         for key in (bkey, self._bkey(batch_id, "spec"), self._bkey(batch_id, "draws")):
             pipe.expire(key, self.ttl)
         pipe.execute()
@@ -96,6 +98,7 @@ class Dynamic(StoreBase):
             pipe.hincrby(self._counts, JobStatus.queued.value, -len(job_ids))
         parts = ("jobs", "spec", "draws", "attempts", "unsent", "accepted", "groups", "stopping")
         pipe.delete(self._batch(batch_id), *(self._bkey(batch_id, part) for part in parts))
+        unindex_batch(pipe, self.p, batch_id)
         pipe.execute()
 
     def is_dynamic(self, batch_id: str) -> bool:

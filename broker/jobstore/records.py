@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from broker.jobstore.base import TERMINAL, text
+from broker.jobstore.listing import index_batch, unindex_batch
 from broker.jobstore.model import FinishOutcome, JobNotFound, JobRecord, JobSpec
 from broker.jobstore.trajectories import Trajectories, offload_due
 from core.schemas import STAGES, JobStatus, StageError, Timing, Trajectory
@@ -97,6 +98,7 @@ class Records(Trajectories):
                 },
             )
             pipe.rpush(self._batch_jobs(batch_id), *[s.job_id for s in specs])
+            index_batch(pipe, self.p, batch_id, now, self.ttl)
             for key in (self._batch(batch_id), self._batch_jobs(batch_id)):
                 pipe.expire(key, self.ttl)
             for group_id, size in groups.items():
@@ -122,6 +124,7 @@ class Records(Trajectories):
             pipe.srem(self._tenant_live(tenant), *[s.job_id for s in specs])
         if batch_id is not None:
             pipe.delete(self._batch(batch_id), self._batch_jobs(batch_id))
+            unindex_batch(pipe, self.p, batch_id)
             for group_id in {s.group_id for s in specs}:
                 pipe.delete(self._group(group_id))
         pipe.execute()

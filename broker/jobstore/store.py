@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis
 
 from broker.jobstore.batches import Batches
+from broker.jobstore.listing import Listing
 from broker.jobstore.liveness import Liveness
 from broker.jobstore.marks import Marks
 from broker.jobstore.metrics import Metrics
@@ -13,7 +14,7 @@ from broker.resultstore import results_store
 from core.settings import Settings
 
 
-class JobStore(Records, Batches, Marks, Metrics, Liveness):
+class JobStore(Records, Batches, Marks, Metrics, Liveness, Listing):
     """Job records in Redis under `prefix`; all methods are synchronous and safe to call twice."""
 
     @classmethod

@@ -108,12 +108,29 @@ def test_every_benchmark_main_ends_by_printing_its_json() -> None:
         assert ast.unparse(ends[1]) == "return 0", path.name
 
 
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda path: path.stem)
+def test_every_benchmark_takes_the_path_of_its_figure(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--figure PATH` is accepted (`--help` ends the parse after reading it), and its default
+    is bench/figures/<bench>.png."""
+    with pytest.raises(SystemExit) as exit_:
+        bench(path.stem).main(["--figure", "elsewhere.png", "--help"])
+    assert exit_.value.code == 0
+    assert "--figure" in capsys.readouterr().out
+    source = path.read_text()
+    assert f'add_figure_option(parser, "{path.stem}")' in source or (
+        f'"figures" / "{path.stem}.png"' in source
+    )
+
+
 # ----------------------------------------------------------------------------- routing
 
 
-def test_routing_quick_prints_its_json_last() -> None:
+def test_routing_quick_prints_its_json_last(tmp_path: Path) -> None:
+    figure = tmp_path / "routing.png"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "routing.py"), "--quick"],
+        [sys.executable, str(ROOT / "bench" / "routing.py"), "--quick", "--figure", str(figure)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -123,10 +140,11 @@ def test_routing_quick_prints_its_json_last() -> None:
     result = last_json(run.stdout)
     assert result["bench"] == "routing" and result["quick"] is True
     assert result["results"]["rollserve"]["throughput_vs_round_robin"] > 0
+    assert result["figure"] == str(figure) and figure.stat().st_size > 0
 
 
 def test_routing_records_a_failed_baseline_policy(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     routing = bench("routing")
     simulate = routing.simulate
@@ -138,6 +156,7 @@ def test_routing_records_a_failed_baseline_policy(
 
     monkeypatch.setattr(routing, "simulate", failing_round_robin)
     small = ["--jobs", "30", "--slots", "8", "--backends", "2", "--big", "1"]
+    small += ["--figure", str(tmp_path / "routing.png")]
     assert routing.main([*small, "--policies", "round-robin,rollserve"]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["results"]["round-robin"] == {"failed": "RuntimeError: the simulation broke"}
@@ -162,7 +181,10 @@ def no_tool_server(work: Path, port: int) -> Iterator[Path]:
 
 @pytest.mark.parametrize("failing", ["bench_swerex", "bench_tmux"])
 def test_tools_records_a_failed_baseline_and_reports_ours(
-    failing: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    failing: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     tools = bench("tools")
     per_workload = {"true": FIGURES, "100k": FIGURES}
@@ -177,8 +199,9 @@ def test_tools_records_a_failed_baseline_and_reports_ours(
     monkeypatch.setattr(tools.shutil, "which", lambda name: "/bin/tmux" if name == "tmux" else None)
     monkeypatch.setattr(tools, failing, boom)
 
-    assert tools.main(["--quick"]) == 0
+    assert tools.main(["--quick", "--figure", str(tmp_path / "tools.png")]) == 0
     result = last_json(capsys.readouterr().out)
+    assert result["figure"] == str(tmp_path / "tools.png")  # drawn with the baseline failed
     failed = {"failed": "TimeoutError: no answer within 30 s"}
     true = result["bash"]["true"]
     assert true["ours_unix"] == FIGURES and true["ours_tcp"] == FIGURES
@@ -246,7 +269,7 @@ def fake_stack(*args: Any, vllm: bool = False) -> Any:
 
 
 def test_pipeline_records_a_failed_celery_floor(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     pipeline = bench("pipeline")
     monkeypatch.setattr(pipeline, "make_tiny_model", lambda path: path)
@@ -256,7 +279,12 @@ def test_pipeline_records_a_failed_celery_floor(
     monkeypatch.setattr(
         pipeline,
         "measure_overhead",
-        lambda *_: {"overhead_p50_ms": 40.0, "overhead_p99_ms": 55.0, "total_p50_ms": 60.0},
+        lambda *_: {
+            "overhead_p50_ms": 40.0,
+            "overhead_p99_ms": 55.0,
+            "total_p50_ms": 60.0,
+            "overhead_parts_p50_ms": {"hops": 20.0, "run_without_model": 10.0},
+        },
     )
     monkeypatch.setattr(
         pipeline,
@@ -265,8 +293,9 @@ def test_pipeline_records_a_failed_celery_floor(
     )
     monkeypatch.setattr(pipeline, "measure_throughput", lambda _c, _j, workers: 3.0 * workers)
 
-    assert pipeline.main(["--quick"]) == 0
+    assert pipeline.main(["--quick", "--figure", str(tmp_path / "pipeline.png")]) == 0
     result = last_json(capsys.readouterr().out)
+    assert result["figure"] == str(tmp_path / "pipeline.png")
     assert result["celery_3hop_floor_p50_ms"] == {"failed": "TimeoutError: no answer within 30 s"}
     assert result["overhead_vs_celery_floor"] is None
     assert result["overhead_p50_ms"] == 40.0 and result["scaling_4_vs_1"] == 4.0
@@ -280,7 +309,7 @@ def test_pipeline_records_a_failed_celery_floor(
 
 
 def test_dapo_records_a_failed_baseline_mode_and_cancels_its_batches(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     dapo = bench("dapo")
     clients: list[FakeClient] = []
@@ -305,8 +334,9 @@ def test_dapo_records_a_failed_baseline_mode_and_cancels_its_batches(
     monkeypatch.setattr(dapo, "warm_up", lambda *_: None)
     monkeypatch.setattr(dapo, "run_mode", run_mode)
 
-    assert dapo.main(["--quick"]) == 0
+    assert dapo.main(["--quick", "--figure", str(tmp_path / "dapo.png")]) == 0
     result = last_json(capsys.readouterr().out)
+    assert result["figure"] == str(tmp_path / "dapo.png")
     assert result["b"] == {"failed": "TimeoutError: the stream stalled"}
     assert clients[0].cancelled == ["batch-b"]
     assert result["ratios"]["b"] == {"to_target_speedup_vs_a": None, "wasted_seconds_vs_a": None}
@@ -363,8 +393,9 @@ def test_tokens_records_a_failed_retokenizing_baseline(
         return params, [ours, row]
 
     monkeypatch.setattr(tokens, "bench", canned_bench)
-    assert tokens.main(["--quick"]) == 0
+    assert tokens.main(["--quick", "--figure", str(tmp_path / "tokens.png")]) == 0
     result = last_json(capsys.readouterr().out)
+    assert result["figure"] == str(tmp_path / "tokens.png")
     first, second = result["rows"]
     assert first["drift_trajectories_pct"] == 0.0 and "retokenized" not in first
     assert second["retokenized"] == {"failed": "TimeoutError: no answer within 30 s"}
@@ -382,7 +413,7 @@ def chaos_figures(lost: int = 0, duplicated: int = 0, recover_s: float = 20.0) -
 
 
 def test_chaos_records_faults_it_cannot_stage_and_judges_the_aims(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     chaos = bench("chaos")
     monkeypatch.setattr(chaos, "make_tiny_model", lambda path: path)
@@ -400,17 +431,18 @@ def test_chaos_records_faults_it_cannot_stage_and_judges_the_aims(
     monkeypatch.setattr(chaos, "measure", fake_measure)
     monkeypatch.setattr(chaos.NodeLost, "unavailable", lambda self: "bubblewrap is missing")
     only = "redis_killed,backend_killed,node_lost"
-    assert chaos.main(["--quick", "--only", only]) == 0
+    figure = ["--figure", str(tmp_path / "chaos.png")]
+    assert chaos.main(["--quick", "--only", only, *figure]) == 0
     result = last_json(capsys.readouterr().out)
     faults = result["faults"]
     assert faults["redis_killed"]["slowdown"] == 3.0  # 30 s against the baseline's 10 s
     assert faults["backend_killed"] == {"failed": "RuntimeError: the stack did not come up"}
     assert faults["node_lost"] == {"skipped": "bubblewrap is missing"}
     assert result["all_met"] is False  # a fault that could not be staged did not meet them
-    assert chaos.main(["--only", "redis_killed"]) == 0
+    assert chaos.main(["--only", "redis_killed", *figure]) == 0
     assert last_json(capsys.readouterr().out)["all_met"] is True
-    assert chaos.main(["--only", "pool_child_killed"]) == 0
+    assert chaos.main(["--only", "pool_child_killed", *figure]) == 0
     assert last_json(capsys.readouterr().out)["all_met"] is False  # one job lost
     with pytest.raises(SystemExit):
-        chaos.main(["--only", "cosmic_rays"])
+        chaos.main(["--only", "cosmic_rays", *figure])
     assert "unknown fault(s) cosmic_rays" in capsys.readouterr().err
