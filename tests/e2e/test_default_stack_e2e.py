@@ -12,6 +12,7 @@ import pytest
 
 from api.client import RolloutClient
 from core.schemas import JobStatus, ModelTurn, Trajectory
+from tests.support.stack import ROOMY_LIMITS
 
 if TYPE_CHECKING:
     from deploy.stack import Stack
@@ -19,20 +20,9 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 
 
-E2E_LIMITS = {
-    "init_soft_time_limit": 60.0,
-    "init_time_limit": 70.0,
-    "run_soft_time_limit": 60.0,
-    "run_time_limit": 70.0,
-    "eval_soft_time_limit": 60.0,
-    "eval_time_limit": 70.0,
-    "visibility_timeout": 90.0,
-}
-
-
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
     # As `rollserve up` starts it: the development server with the tiny model, no script.
-    return {"script": None, "workers": {"init": 1, "run": 2, "eval": 1}, **E2E_LIMITS}
+    return {"script": None, "workers": {"init": 1, "run": 2, "eval": 1}, **ROOMY_LIMITS}
 
 
 def test_multi_turn_math_over_rest_completes_every_job(stack: Stack, tiny_tokenizer: Any) -> None:

@@ -23,6 +23,18 @@ FAST_LIMITS = {
 }
 
 
+# Roomy limits for a stack that runs the tiny model itself (a slow turn is not a hung one).
+ROOMY_LIMITS = {
+    "init_soft_time_limit": 60.0,
+    "init_time_limit": 70.0,
+    "run_soft_time_limit": 60.0,
+    "run_time_limit": 70.0,
+    "eval_soft_time_limit": 60.0,
+    "eval_time_limit": 70.0,
+    "visibility_timeout": 90.0,
+}
+
+
 def start_stack(
     data_dir: Path,
     model_dir: Path,

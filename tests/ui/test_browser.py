@@ -20,23 +20,13 @@ import pytest
 
 from api.client import RolloutClient
 from deploy.stack import Stack
-from tests.support.stack import start_stack
+from tests.support.stack import ROOMY_LIMITS, start_stack
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.browser
-
-STACK_LIMITS = {
-    "init_soft_time_limit": 60.0,
-    "init_time_limit": 70.0,
-    "run_soft_time_limit": 60.0,
-    "run_time_limit": 70.0,
-    "eval_soft_time_limit": 60.0,
-    "eval_time_limit": 70.0,
-    "visibility_timeout": 90.0,
-}
 
 
 def _missing() -> str | None:
@@ -89,7 +79,7 @@ def stack(
     browser: Any, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[Stack]:
     data = tmp_path_factory.mktemp("stack")
-    running = start_stack(data, tiny_model_dir, **STACK_LIMITS)
+    running = start_stack(data, tiny_model_dir, **ROOMY_LIMITS)
     try:
         yield running
     finally:
