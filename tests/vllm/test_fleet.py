@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -43,10 +44,24 @@ def math_task(n: int) -> dict[str, str]:
     }
 
 
+SHELL_TASK = {
+    "data_source": "shell",
+    "instance_id": "fleet-update",
+    "instruction": "Write hi into /workspace/hello.txt.",
+    "check": 'test "$(cat /workspace/hello.txt)" = hi',
+}
+"""Exactly two model turns, whatever the random weights: the server's logits processor makes
+the first a bash call and the second (after the tool result) a finish call, so the job is
+certain to be between turns when the first one is in, and no sampled text can end it early."""
+
+
 def model_turns(traj: Trajectory) -> list[ModelTurn]:
     return [t for t in traj.turns if isinstance(t, ModelTurn)]
 
 
+@pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
 def test_a_weight_update_mid_job_waits_then_records_the_new_version(
     stack: Stack, vllm_server: VllmServer
 ) -> None:
@@ -57,7 +72,8 @@ def test_a_weight_update_mid_job_waits_then_records_the_new_version(
         ),
         RolloutClient(stack.gateway_url, timeout=120) as client,
     ):  # fmt: skip
-        job_id = client.submit_rollout(math_task(1), sampling=SAMPLING, agent={"max_turns": 8})
+        sampling = {**SAMPLING, "max_tokens": 64}  # room for the whole scripted call
+        job_id = client.submit_rollout(SHELL_TASK, sampling=sampling, agent={"max_turns": 8})
         assert isinstance(job_id, str)
         wait_until(
             lambda: len(model_turns(client.get_rollout(job_id))) >= 1, 120, "a first model turn"
@@ -78,7 +94,8 @@ def test_a_weight_update_mid_job_waits_then_records_the_new_version(
     assert traj.status is JobStatus.completed, traj.error
     versions = [t.policy_version for t in model_turns(traj)]
     assert versions == sorted(versions) and set(versions) == {1, 2}, versions
-    assert versions.count(1) == waited
+    assert versions == [1, 2] and waited == 1
+    assert traj.stop_reason == "finish" and traj.reward == 1.0
     assert {t.backend_id for t in model_turns(traj)} == {"update"}
 
 
