@@ -12,9 +12,12 @@ retried.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 from typing import Any, Self
 
+import aiohttp
 import httpx
 from tenacity import (
     AsyncRetrying,
@@ -25,15 +28,15 @@ from tenacity import (
 
 from routing.protocol import Completion, normalize_finish_reason
 
-SHARD_REQUESTS = 32
-"""Requests in flight per connection pool before a client opens another pool. httpcore's pool
-does work quadratic in its requests and connections at every request's start and end (it
-scans all of them, and its idle check re-counts every connection for each one): a thousand
-requests in one pool cost it whole seconds per request; pools of 32 cost microseconds."""
+KEEPALIVE_SECONDS = 4.0
+"""How long an idle connection is kept for the next request: under the 5 s after which
+uvicorn (vLLM's and SGLang's HTTP server) closes it, so a request never goes out on a
+connection the server is closing."""
+CONNECT_SECONDS = 10.0
 
-CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=SHARD_REQUESTS)
-"""One worker process may have a thousand requests in flight to one server (`--jobs N`):
-httpx's default of 100 connections would queue the rest behind them."""
+CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+"""The limits of the httpx client kept for side requests (health, abort): a process may
+have many of them in flight at once, which httpx's default of 100 connections would queue."""
 
 
 class BackendError(Exception):
@@ -116,11 +119,16 @@ def out_of_vocabulary(error: BackendError) -> OutOfVocabularyError | None:
 
 
 def _error_message(response: httpx.Response) -> str:
+    return _error_text(response.content, response.reason_phrase)
+
+
+def _error_text(content: bytes, reason: str) -> str:
+    """The message of a server's error answer (its body; `reason` when it has none)."""
     # vLLM: {"error": {"message": ...}}; older vLLM: {"message": ...}; FastAPI: {"detail": ...}.
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
+        return content.decode(errors="replace").strip()[:500] or reason
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
@@ -167,10 +175,15 @@ class HTTPBackend:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._owns_http = http is None
-        self._http = http or self._new_pool()
-        self._pools = [self._http]
-        self._busy = [0]
-        """Requests in flight per pool (see `SHARD_REQUESTS`)."""
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS), limits=CONNECTION_LIMITS
+        )
+        """For side requests (health, abort), and for every request when passed in."""
+        self._session: aiohttp.ClientSession | None = None
+        """The requests' connection pool when none was passed in (made on first use, on the
+        event loop that uses it): aiohttp costs a tenth of httpx's CPU per request, which is
+        most of a many-jobs RUN worker's work."""
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._max_model_len: int | None = None
         """The server's context length once asked (see `max_model_len`)."""
         self.refused_from: int | None = None
@@ -185,24 +198,34 @@ class HTTPBackend:
 
     async def aclose(self) -> None:
         """Close the connection pools (unless the pool was passed in)."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
         if self._owns_http:
-            for pool in self._pools:
-                await pool.aclose()
+            await self._http.aclose()
 
-    def _new_pool(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeout, connect=10.0), limits=CONNECTION_LIMITS
-        )
+    def _pool(self) -> aiohttp.ClientSession:
+        """The connection pool of this event loop (a new one on another loop)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+                timeout=aiohttp.ClientTimeout(sock_read=self.timeout, connect=CONNECT_SECONDS),
+            )
+            self._session_loop = loop
+        return self._session
 
-    def _take_pool(self) -> int:
-        """The least busy pool for the next request (a new one when all are full)."""
-        best = min(range(len(self._pools)), key=self._busy.__getitem__)
-        if self._busy[best] >= SHARD_REQUESTS and self._owns_http:
-            self._pools.append(self._new_pool())
-            self._busy.append(0)
-            best = len(self._pools) - 1
-        self._busy[best] += 1
-        return best
+    async def _send(
+        self, method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str] | None
+    ) -> tuple[int, bytes, str]:
+        """One request: the answer's status, body and reason phrase."""
+        if not self._owns_http:
+            response = await self._http.request(
+                method, url, json=body, headers=headers, timeout=self.timeout
+            )
+            return response.status_code, response.content, response.reason_phrase
+        async with self._pool().request(method, url, json=body, headers=headers) as answer:
+            return answer.status, await answer.read(), answer.reason or ""
 
     async def _request(
         self,
@@ -240,29 +263,24 @@ class HTTPBackend:
     async def _attempt(
         self, method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str] | None
     ) -> Any:
-        pool = self._take_pool()
         try:
-            response = await self._pools[pool].request(
-                method, url, json=body, headers=headers, timeout=self.timeout
-            )
-        except httpx.TimeoutException as e:
+            status, content, reason = await self._send(method, url, body, headers)
+        except (httpx.TimeoutException, TimeoutError) as e:
             raise BackendError(
                 f"no answer within {self.timeout:g}s ({type(e).__name__})", url=url
             ) from e
-        except httpx.TransportError as e:
+        except (httpx.TransportError, aiohttp.ClientError) as e:
             raise _Retryable(BackendError(f"{type(e).__name__}: {e}", url=url)) from e
-        finally:
-            self._busy[pool] -= 1
-        if response.status_code < 400:
+        if status < 400:
             try:
-                return response.json() if response.content else None
+                return json.loads(content) if content else None
             except ValueError as e:
                 raise BackendError(
-                    f"answer is not JSON: {response.text[:200]!r}",
-                    status=response.status_code,
+                    f"answer is not JSON: {content[:200].decode(errors='replace')!r}",
+                    status=status,
                     url=url,
                 ) from e
-        error = BackendError(_error_message(response), status=response.status_code, url=url)
+        error = BackendError(_error_text(content, reason), status=status, url=url)
         if error.retryable:
             raise _Retryable(error)
         refused = out_of_vocabulary(error)

@@ -111,6 +111,8 @@ class Runtime:
                 retries=self.settings.backend_retries,
                 tokenizer=backend.tokenizer,
             )
+            if cached is not None:
+                _close_soon(cached[1])
             cached = (key, client, ChatTemplater(client))
             self._clients[backend.id] = cached
         return cached[1], cached[2]
@@ -166,10 +168,30 @@ class Runtime:
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None
+        clients = [client for _, client, _ in self._clients.values()]
         self._clients.clear()
         if loop is not None:
+            for client in [] if loop.is_running() else clients:  # connections of this loop
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait_for(client.aclose(), 5))
             with contextlib.suppress(Exception):
                 loop.close()
+
+
+def _close_soon(client: InferenceClient) -> None:
+    """Close a replaced client's connections on the running loop (none running: they were
+    made on a loop that is gone, and go with it)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    task = loop.create_task(client.aclose())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Task[None]] = set()
+"""Closes in progress (the loop keeps only weak references to its tasks)."""
 
 
 def shares_loop() -> bool:

@@ -64,6 +64,7 @@ class StoreBase:
         self._cancel_begin = self._script("cancel_begin", lib=True)
         self._cancel_end = self._script("cancel_end", lib=True)
         self._claim_unsent = self._script("claim_unsent")
+        self._ended = self._script("ended")
 
     def _script(self, name: str, *, lib: bool = False) -> Script:
         """Register `lua/{name}.lua`; with `lib`, after the shared helpers of `lua/lib.lua`."""

@@ -21,6 +21,8 @@ from broker.jobstore.trajectories import Trajectories, offload_due
 from core.schemas import STAGES, JobStatus, StageError, Timing, Trajectory
 
 log = logging.getLogger(__name__)
+LIVE_CHUNK = 2000
+"""Jobs read by one `live` script: Redis runs nothing else meanwhile (about 0.5 ms)."""
 
 
 class Records(Trajectories):
@@ -204,16 +206,15 @@ class Records(Trajectories):
 
     def live(self, job_ids: Iterable[str]) -> set[str]:
         """Those of `job_ids` whose record exists and has not reached a final status (one
-        round trip)."""
+        script per `LIVE_CHUNK` ids, answering with the few that ended: a many-jobs worker
+        asks this about every job in flight twice a second)."""
         ids = list(job_ids)
-        pipe = self.r.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hget(self._job(job_id), "status")
-        return {
-            job_id
-            for job_id, raw in zip(ids, pipe.execute(), strict=True)
-            if raw is not None and not JobStatus(text(raw)).terminal
-        }
+        live = set(ids)
+        for start in range(0, len(ids), LIVE_CHUNK):
+            chunk = ids[start : start + LIVE_CHUNK]
+            ended = self._ended(keys=[self._job(j) for j in chunk], args=[TERMINAL])
+            live.difference_update(chunk[int(i) - 1] for i in ended)
+        return live
 
     def trajectory(self, job_id: str) -> Trajectory:
         """The job's trajectory: final once it has ended (from the results store once it

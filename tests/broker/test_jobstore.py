@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from broker.jobstore import JobNotFound, JobStore
+from broker.jobstore import JobNotFound, JobStore, records
 from core.schemas import JobStatus, StageError, Trajectory
 from tests.support.jobs import make_specs
 
@@ -40,6 +40,17 @@ def test_live_names_the_jobs_that_have_not_ended(store: JobStore) -> None:
     store.finish(ids[2], JobStatus.cancelled)
     assert store.live([*ids, "missing"]) == {ids[0], ids[1]}
     assert store.live([]) == set()
+
+
+def test_live_reads_many_jobs_in_chunks(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records, "LIVE_CHUNK", 2)
+    specs = make_specs(1, 5)
+    store.create_jobs(specs, batch_id="b1", group_size=5)
+    ids = [s.job_id for s in specs]
+    for ended in (ids[1], ids[4]):
+        store.finish(ended, JobStatus.failed)
+    asked = [ids[0], "gone", *ids[1:], ids[0]]
+    assert store.live(asked) == {ids[0], ids[2], ids[3]}
 
 
 def test_transition_records_first_entry_time_and_moves_counts(store: JobStore) -> None:

@@ -118,24 +118,16 @@ async def test_tokenize_detokenize_and_max_model_len(devserver_script: DevBacken
         assert await client.health()
 
 
-async def test_many_requests_at_once_spread_over_bounded_pools(
-    devserver_script: DevBackend,
-) -> None:
-    """A thousand-job worker sends hundreds of requests at once to one server: they go to
-    connection pools of at most `SHARD_REQUESTS` each (httpcore's per-request work grows with
-    the square of a pool's size), and one request at a time keeps using the first pool."""
+async def test_many_requests_at_once_share_one_pool(devserver_script: DevBackend) -> None:
+    """A thousand-job worker sends hundreds of requests at once to one server: every one is
+    answered, through the one connection pool of the loop, which later requests reuse."""
     import asyncio
-
-    from routing.vllm import SHARD_REQUESTS
 
     async with devserver_script.client() as client:
         await client.tokenize("warm")
-        assert len(client._pools) == 1 and client._busy == [0]
-        many = 3 * SHARD_REQUESTS + 5
-        texts = await asyncio.gather(*(client.tokenize(f"text {i}") for i in range(many)))
-        assert len(texts) == many and all(texts)
-        assert len(client._pools) == 4  # ceil(101 / 32), opened as the others filled
-        assert client._busy == [0, 0, 0, 0]
-        for _ in range(5):
-            await client.tokenize("one at a time")
-        assert client._busy == [0, 0, 0, 0]
+        pool = client._pool()
+        texts = await asyncio.gather(*(client.tokenize(f"text {i}") for i in range(300)))
+        assert len(texts) == 300 and all(texts)
+        assert client._pool() is pool and not pool.closed
+        assert await client.tokenize("one more") == await client.tokenize("one more")
+    assert pool.closed
