@@ -204,6 +204,15 @@ class HTTPBackend:
         if self._owns_http:
             await self._http.aclose()
 
+    def discard(self) -> None:
+        """Drop the connections without awaiting anything, for a client whose event loop is
+        going away (the loop is not run again to close them; they are marked closed, so no
+        'unclosed session' is reported when they are collected)."""
+        session, self._session = self._session, None
+        connector = None if session is None else session.connector
+        if connector is not None and not connector.closed:
+            connector._close()  # the synchronous part of close(): transports closed, no task
+
     def _pool(self) -> aiohttp.ClientSession:
         """The connection pool of this event loop (a new one on another loop)."""
         loop = asyncio.get_running_loop()

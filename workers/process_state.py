@@ -112,7 +112,7 @@ class Runtime:
                 tokenizer=backend.tokenizer,
             )
             if cached is not None:
-                _close_soon(cached[1])
+                _close_later(cached[1], self.settings.backend_timeout + CLOSE_MARGIN)
             cached = (key, client, ChatTemplater(client))
             self._clients[backend.id] = cached
         return cached[1], cached[2]
@@ -168,26 +168,35 @@ class Runtime:
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None
-        clients = [client for _, client, _ in self._clients.values()]
-        self._clients.clear()
+        if loop is not None:  # the clients made on this loop go with it (not the jobs loop's)
+            for backend_id, (key, client, _) in list(self._clients.items()):
+                if key.endswith(f"|{id(loop)}"):
+                    del self._clients[backend_id]
+                    with contextlib.suppress(Exception):
+                        getattr(client, "discard", lambda: None)()
         if loop is not None:
-            for client in [] if loop.is_running() else clients:  # connections of this loop
-                with contextlib.suppress(Exception):
-                    loop.run_until_complete(asyncio.wait_for(client.aclose(), 5))
             with contextlib.suppress(Exception):
                 loop.close()
 
 
-def _close_soon(client: InferenceClient) -> None:
-    """Close a replaced client's connections on the running loop (none running: they were
-    made on a loop that is gone, and go with it)."""
+CLOSE_MARGIN = 10.0
+"""Seconds past the backend timeout after which a replaced client is closed."""
+
+
+def _close_later(client: InferenceClient, after: float) -> None:
+    """Close a replaced client's connections on the running loop once the requests it may
+    still have in flight are over (`after` seconds: the backend timeout and a margin)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
-    task = loop.create_task(client.aclose())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+
+    def close() -> None:
+        task = loop.create_task(client.aclose())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    loop.call_later(after, close)
 
 
 _closing: set[asyncio.Task[None]] = set()

@@ -131,3 +131,35 @@ async def test_many_requests_at_once_share_one_pool(devserver_script: DevBackend
         assert client._pool() is pool and not pool.closed
         assert await client.tokenize("one more") == await client.tokenize("one more")
     assert pool.closed
+
+
+def test_a_client_whose_loop_goes_away_is_discarded_without_running_it(
+    devserver_script: DevBackend,
+) -> None:
+    """A worker whose event loop broke (a time limit mid-await) drops that loop's clients:
+    their pools are closed without running the loop again, so none is reported unclosed when
+    collected; the next request opens a fresh pool."""
+    import asyncio
+    import gc
+    import warnings
+
+    loop = asyncio.new_event_loop()
+    client = VLLMClient(devserver_script.url, devserver_script.model, retries=0)
+    try:
+        assert loop.run_until_complete(client.tokenize("before"))
+        pool = client._session
+        assert pool is not None and not pool.closed
+        client.discard()
+        assert pool.closed and client._session is None
+    finally:
+        loop.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del pool
+        gc.collect()
+    # Its sockets close when collected (Python's own ResourceWarning, off by default);
+    # aiohttp's report of an unclosed session, which it logs as an error, is not made.
+    reports = [str(w.message) for w in caught]
+    assert not [r for r in reports if "client session" in r or "connector" in r], reports
+    assert asyncio.run(client.tokenize("after"))  # another loop: a new pool
+    asyncio.run(client.aclose())

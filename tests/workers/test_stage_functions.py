@@ -363,3 +363,74 @@ def test_limits_come_from_the_jobs_resolved_parameters(rt: Runtime) -> None:
     assert (limits.temperature, limits.top_p, limits.stop) == (0.7, 0.95, None)
     assert limits.seed == 9  # the base seed plus the sample index
     assert limits.tool_timeout == 33.0
+
+
+class ClosableClient:
+    """A stand-in inference client that records how it was let go."""
+
+    def __init__(self) -> None:
+        self.discarded = False
+        self.closed = False
+
+    def discard(self) -> None:
+        self.discarded = True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_a_broken_loop_discards_its_own_clients_only(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[ClosableClient] = []
+
+    def make(*_args: Any, **_kwargs: Any) -> ClosableClient:
+        made.append(ClosableClient())
+        return made[-1]
+
+    monkeypatch.setattr(process_state, "make_client", make)
+    backend = Backend(
+        id="b1", url="http://127.0.0.1:9", kind="vllm", model="fake", registered_at=0.0
+    )
+
+    async def use() -> None:
+        rt.policy(backend)
+
+    rt.run(use())
+    elsewhere = ClosableClient()  # a client of another loop (the jobs loop's)
+    rt._clients["b2"] = ("vllm|completions|http://x|m|None|1", elsewhere, FakeTemplater())
+
+    async def fail() -> None:
+        raise RuntimeError("a time limit mid-await")
+
+    with pytest.raises(RuntimeError):
+        rt.run(fail())
+    assert made[0].discarded and not made[0].closed
+    assert set(rt._clients) == {"b2"} and not elsewhere.discarded
+
+
+def test_a_replaced_client_is_closed_once_its_requests_are_over(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[ClosableClient] = []
+
+    def make(*_args: Any, **_kwargs: Any) -> ClosableClient:
+        made.append(ClosableClient())
+        return made[-1]
+
+    monkeypatch.setattr(process_state, "make_client", make)
+    monkeypatch.setattr(process_state, "CLOSE_MARGIN", 0.05)
+    rt.settings.backend_timeout = 0.05
+    first = Backend(id="b1", url="http://127.0.0.1:9", kind="vllm", model="fake", registered_at=0.0)
+    moved = first.model_copy(update={"url": "http://127.0.0.1:10"})
+
+    async def use() -> None:
+        rt.policy(first)
+        rt.policy(first)  # the same: kept
+        assert len(made) == 1
+        rt.policy(moved)  # re-registered elsewhere: a new client
+        assert len(made) == 2 and not made[0].closed  # its requests may still run
+        await asyncio.sleep(0.3)
+
+    rt.run(use())
+    assert made[0].closed and not made[1].closed
