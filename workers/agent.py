@@ -71,7 +71,7 @@ async def run_episode(
     policy: PolicyClient,
     templater: Templater,
     limits: Limits,
-    on_turn: Callable[[TrajectoryBuilder], Awaitable[None] | None] = lambda _b: None,
+    on_turn: Callable[[TrajectoryBuilder], Awaitable[object] | None] = lambda _b: None,
     runner: ToolRunner | None = None,
 ) -> Episode:
     """Run the multi-turn loop until an answer, `max_turns`, a budget or the context ends it.
@@ -145,27 +145,34 @@ async def run_episode(
         model_turn.backend_id = completion.backend_id
         model_turn.policy_version = completion.policy_version
         builder.malformed_tool_calls += len(parsed.errors)
-        await _saved(on_turn(builder))
+        saving = on_turn(builder)  # a save on a thread goes on while the tools run
 
         if completion.finish_reason == "length":
             # A call cut by its own max_tokens is one truncated turn; the episode goes on.
             # Cut by the job's budget or the context, nothing more fits.
             if max_tokens == room and room < limits.max_tokens:
+                await _saved(saving)
                 return Episode(builder, "context_length", truncated=True)
             if max_tokens == budget_left and budget_left < limits.max_tokens:
+                await _saved(saving)
                 return Episode(builder, "token_budget", truncated=True)
 
         step_started = time.perf_counter()
-        if parsed.calls or parsed.errors:
-            replies, finished = await _run_calls(parsed, declared, runner, limits.tool_timeout)
-            if finished:
-                return Episode(builder, "finish", truncated=False)
-        else:
-            step = handler.step(task, completion.text, turn)
-            if step.done:
-                return Episode(builder, step.stop_reason or "answer", truncated=False)
-            replies = step.messages
-        step_seconds = time.perf_counter() - step_started
+        try:
+            if parsed.calls or parsed.errors:
+                replies, finished = await _run_calls(parsed, declared, runner, limits.tool_timeout)
+                step = None
+            else:
+                finished = False
+                step = handler.step(task, completion.text, turn)
+                replies = step.messages
+            step_seconds = time.perf_counter() - step_started
+        finally:
+            await _saved(saving)  # saved before anything else is (or the episode ends)
+        if finished:
+            return Episode(builder, "finish", truncated=False)
+        if step is not None and step.done:
+            return Episode(builder, step.stop_reason or "answer", truncated=False)
         if turn == limits.max_turns - 1:
             break
         observation = await templater.continuation_ids(completion.output_ids, replies, tools)
@@ -227,6 +234,6 @@ async def _run_calls(
     return replies, False
 
 
-async def _saved(result: Awaitable[None] | None) -> None:
+async def _saved(result: Awaitable[object] | None) -> None:
     if inspect.isawaitable(result):
         await result

@@ -180,13 +180,14 @@ def _run_episode(
     trajectory.status = JobStatus.run
     trajectory.stale_reruns = reruns
 
-    def save(builder: TrajectoryBuilder) -> Awaitable[None] | None:
+    def save(builder: TrajectoryBuilder) -> Awaitable[bool]:
+        """The trajectory so far, written on a thread (already started: the loop goes on,
+        the agent awaits it before the next save). The record is serialised there from
+        `trajectory`, which nothing changes until then."""
         builder.fill(trajectory)
         _stamp_backend(trajectory, routed)
-        if routed.offload:  # many jobs share the loop: Redis on a thread, not on the loop
-            return _on_thread(rt.store.save_partial, job_id, trajectory)
-        rt.store.save_partial(job_id, trajectory)
-        return None
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, rt.store.save_partial, job_id, trajectory)
 
     try:
         episode = rt.run(
@@ -210,10 +211,6 @@ def _run_episode(
     return episode, trajectory
 
 
-async def _on_thread(fn: Callable[..., Any], *args: Any) -> None:
-    await asyncio.to_thread(fn, *args)
-
-
 def _stamp_backend(trajectory: Trajectory, routed: RoutedPolicy) -> None:
     """The trajectory's backend is the latest one; its policy version is the first turn's
     (the oldest weights in it: every turn carries its own)."""
@@ -228,7 +225,7 @@ async def _episode_with_tools(
     handler: Handler,
     routed: RoutedPolicy,
     limits: Limits,
-    save: Callable[[TrajectoryBuilder], Awaitable[None] | None],
+    save: Callable[[TrajectoryBuilder], Awaitable[object] | None],
 ) -> Episode:
     assert record.context is not None
     runner = None
