@@ -379,16 +379,22 @@ class ClosableClient:
         self.closed = True
 
 
-def test_a_broken_loop_discards_its_own_clients_only(
-    rt: Runtime, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    made: list[ClosableClient] = []
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[ClosableClient]:
+    """The clients the runtime makes, in order (stand-ins, no HTTP)."""
+    clients: list[ClosableClient] = []
 
     def make(*_args: Any, **_kwargs: Any) -> ClosableClient:
-        made.append(ClosableClient())
-        return made[-1]
+        clients.append(ClosableClient())
+        return clients[-1]
 
     monkeypatch.setattr(process_state, "make_client", make)
+    return clients
+
+
+def test_a_broken_loop_discards_its_own_clients_only(
+    rt: Runtime, made: list[ClosableClient]
+) -> None:
     backend = Backend(
         id="b1", url="http://127.0.0.1:9", kind="vllm", model="fake", registered_at=0.0
     )
@@ -410,15 +416,8 @@ def test_a_broken_loop_discards_its_own_clients_only(
 
 
 def test_a_replaced_client_is_closed_once_its_requests_are_over(
-    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+    rt: Runtime, made: list[ClosableClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made: list[ClosableClient] = []
-
-    def make(*_args: Any, **_kwargs: Any) -> ClosableClient:
-        made.append(ClosableClient())
-        return made[-1]
-
-    monkeypatch.setattr(process_state, "make_client", make)
     monkeypatch.setattr(process_state, "CLOSE_MARGIN", 0.05)
     rt.settings.backend_timeout = 0.05
     first = Backend(id="b1", url="http://127.0.0.1:9", kind="vllm", model="fake", registered_at=0.0)
