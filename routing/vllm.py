@@ -233,7 +233,12 @@ class HTTPBackend:
                 method, url, json=body, headers=headers, timeout=self.timeout
             )
             return response.status_code, response.content, response.reason_phrase
-        async with self._pool().request(method, url, json=body, headers=headers) as answer:
+        # Redirects are not followed (as httpx does not): a backend is reached only at the
+        # address it was registered and checked with.
+        pool = self._pool()
+        async with pool.request(
+            method, url, json=body, headers=headers, allow_redirects=False
+        ) as answer:
             return answer.status, await answer.read(), answer.reason or ""
 
     async def _request(

@@ -168,15 +168,15 @@ class Runtime:
 
     def _discard_loop(self) -> None:
         loop, self._loop = self._loop, None
-        if loop is not None:  # the clients made on this loop go with it (not the jobs loop's)
-            for backend_id, (key, client, _) in list(self._clients.items()):
-                if key.endswith(f"|{id(loop)}"):
-                    del self._clients[backend_id]
-                    with contextlib.suppress(Exception):
-                        getattr(client, "discard", lambda: None)()
-        if loop is not None:
-            with contextlib.suppress(Exception):
-                loop.close()
+        if loop is None:
+            return
+        for backend_id, (key, client, _) in list(self._clients.items()):
+            if key.endswith(f"|{id(loop)}"):  # made on this loop (not the jobs loop's)
+                del self._clients[backend_id]
+                with contextlib.suppress(Exception):
+                    getattr(client, "discard", lambda: None)()
+        with contextlib.suppress(Exception):
+            loop.close()
 
 
 CLOSE_MARGIN = 10.0

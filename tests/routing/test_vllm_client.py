@@ -109,6 +109,44 @@ async def test_unreachable_server_is_a_backend_error_naming_the_url() -> None:
     assert time.monotonic() - started < 5
 
 
+async def test_a_redirect_is_not_followed() -> None:
+    """A backend is reached only at the address it was registered (and checked) with: one
+    that answers with a redirect, say to an internal address, gets an error, and nothing
+    is sent where it points."""
+    from aiohttp import web
+
+    hits: list[str] = []
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{target_port}{request.path}")
+
+    async def record(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 8})
+
+    runners = []
+    ports = []
+    for handler in (redirect, record):
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        ports.append(port)
+    target_port = ports[1]
+    try:
+        async with VLLMClient(f"http://127.0.0.1:{ports[0]}", "m", retries=0) as client:
+            with pytest.raises(BackendError) as caught:
+                await client.tokenize("x")
+        assert hits == []
+        assert f"127.0.0.1:{ports[0]}" in str(caught.value)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 async def test_tokenize_detokenize_and_max_model_len(devserver_script: DevBackend) -> None:
     async with devserver_script.client() as client:
         ids = await client.tokenize("Hello world")
