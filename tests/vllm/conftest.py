@@ -159,7 +159,9 @@ def settled_metrics(url: str, pause: float = 0.3) -> dict[str, float]:
 def stack(tmp_path_factory: pytest.TempPathFactory, vllm_server: VllmServer) -> Iterator[Stack]:
     """Redis, one worker per queue and the gateway; no backend until a test registers one."""
     data = tmp_path_factory.mktemp("vllm-stack")
-    settings = Settings(data_dir=data, port=free_port())
+    # Boxes of its own: a reaper of another stack on this host (another Redis) would take a
+    # box in a shared directory for an orphan, its job unknown there.
+    settings = Settings(data_dir=data, port=free_port(), sandbox_dir=data / "boxes")
     running = Stack(settings, StackOptions(workers={"init": 1, "run": 1, "eval": 1})).start()
     try:
         yield running

@@ -25,22 +25,27 @@ SCRIPT: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def runless_stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[Stack]:
-    """One for all the tests here (each leaves its queues empty): a stack takes a while."""
+    """One for all the tests here (each leaves its queues empty): a stack takes a while. It
+    stops when they are done, and keeps its boxes in a directory of its own: its workers'
+    reaper takes any box in theirs whose job its Redis does not know for an orphan, so a
+    stack of other tests sharing it would lose its boxes."""
+    data = tmp_path_factory.mktemp("autoscale")
     stack = start_stack(
-        tmp_path_factory.mktemp("autoscale") / "stack",
+        data / "stack",
         tiny_model_dir,
         script=SCRIPT,
         workers={"init": 1, "eval": 1},
+        sandbox_dir=data / "boxes",
     )
     with stack:
         yield stack
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def store(runless_stack: Stack) -> Iterator[JobStore]:
     client = redis.Redis.from_url(runless_stack.redis_url)
     yield JobStore(client, runless_stack.settings.key_prefix)
