@@ -47,7 +47,11 @@ SCRIPTED_CALLS = "ROLLSERVE_SCRIPTED_TOOL_CALLS"
 TOOL_CALLS = [
     {
         "name": "bash",
-        "arguments": {"command": "echo hi > /workspace/hello.txt && cat /workspace/hello.txt"},
+        # The sleep keeps a job between its two turns for a while: long enough for a test to
+        # act there (a drain before the second request, tests/vllm/test_fleet.py).
+        "arguments": {
+            "command": "echo hi > /workspace/hello.txt && sleep 3 && cat /workspace/hello.txt"
+        },
     },
     {"name": "finish", "arguments": {"result": "wrote hello.txt"}},
 ]

@@ -51,8 +51,9 @@ SHELL_TASK = {
     "check": 'test "$(cat /workspace/hello.txt)" = hi',
 }
 """Exactly two model turns, whatever the random weights: the server's logits processor makes
-the first a bash call and the second (after the tool result) a finish call, so the job is
-certain to be between turns when the first one is in, and no sampled text can end it early."""
+the first a bash call (which sleeps 3 s) and the second, after the tool result, a finish
+call; so the job is between its turns for seconds once the first is in, and no sampled text
+can end it early."""
 
 
 def model_turns(traj: Trajectory) -> list[ModelTurn]:
