@@ -49,6 +49,8 @@ MAX_STALE_RERUNS = 3
 """Times a stale job's episode is started again (`AgentParams.on_stale`) before it is dropped."""
 MAX_TASK_DEPTH = 64
 """Deepest nesting of lists and objects inside a task."""
+HARNESS_OUTPUT_LIMIT = 64 << 10
+"""Bytes of a harness's stdout and of its stderr kept in its trajectory (`HarnessRun`)."""
 
 
 def encodable(value: str) -> str:
@@ -160,6 +162,13 @@ class AgentParams(BaseModel):
     first turn on the current policy (in a fresh sandbox when it has one; at most
     `MAX_STALE_RERUNS` times, then it is dropped); `drop` ends it `failed` with error type
     `stale_policy`."""
+    command: Text | None = Field(default=None, min_length=1, max_length=16_384)
+    """Run the job's own agent harness instead of the built-in loop: this command, with
+    `bash -c` in the job's sandbox (cwd `/workspace`), with `OPENAI_BASE_URL`,
+    `OPENAI_API_KEY`, `ANTHROPIC_BASE_URL` and `ANTHROPIC_API_KEY` pointing at the job's
+    own endpoint and `ROLLSERVE_INSTRUCTION_FILE` naming a file with the task's
+    instruction. Its exit ends RUN; the task's grader runs as usual. Only for tasks whose
+    handler runs a sandbox."""
 
 
 class RolloutRequest(BaseModel):
@@ -436,6 +445,10 @@ class ModelTurn(BaseModel):
     turn_seconds: float = 0.0
     """Wall time from this call's start until the reply to it was appended (model, tools,
     templating and bookkeeping); 0 for a last turn that no reply followed."""
+    segment_start: str | None = None
+    """Why this call began a new segment (see `Segment`), when it did: its `prompt_ids` are
+    then the new segment's whole prompt. None on the first call and on every call whose
+    prompt extends the sequence before it."""
 
 
 class EnvTurn(BaseModel):
@@ -449,6 +462,56 @@ class EnvTurn(BaseModel):
 
 
 Turn = Annotated[ModelTurn | EnvTurn, Field(discriminator="type")]
+
+SEGMENT_REASONS = {
+    "start": "the trajectory's first segment",
+    "history_changed": "the harness sent an earlier message differently, or left one out "
+    "(it edited, truncated or summarised its history)",
+    "reply_changed": "the harness sent the model's last reply back other than it was returned",
+    "tools_changed": "the harness declared other tools than on its previous call",
+    "retried": "the harness sent its previous request again instead of continuing it",
+    "rerendered": "the chat template renders the conversation differently from the ids "
+    "generated so far",
+}
+"""Why a segment begins, by name: the value says what happened."""
+
+
+class Segment(BaseModel):
+    """One trainable sequence of a trajectory.
+
+    A job's ids form one sequence as long as every model call's prompt extends the previous
+    call's prompt and output. When a call's prompt does not (a harness edited its history, the
+    template rendered earlier turns differently), that call starts a new segment: its own
+    prompt, and the ids after it. `reason` is one of `SEGMENT_REASONS`."""
+
+    reason: str
+    first_turn: int
+    """Index in the trajectory's `turns` of the segment's first model call."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    policy_versions: list[int | None] = Field(default_factory=list)
+    """The policy version of each of the segment's model calls, in order."""
+
+
+class HarnessRun(BaseModel):
+    """How the job's own agent harness (`agent.command`) ran in its sandbox."""
+
+    command: str
+    exit_code: int | None = None
+    """Its exit status (128+n when signal n ended it); None when it was stopped (cancelled,
+    out of time)."""
+    timed_out: bool = False
+    killed_by: str | None = None
+    """The box limit that stopped it (`memory_bytes`, `box_pids`, ...), when one did."""
+    stdout: str = ""
+    stderr: str = ""
+    """Its output, each cut to `HARNESS_OUTPUT_LIMIT` bytes (the cut is marked)."""
+    calls: int = 0
+    """Model calls it made through its endpoint."""
+    refused_calls: int = 0
+    """Calls the endpoint refused (a budget spent, a request it cannot serve)."""
 
 
 class EgressEvent(BaseModel):
@@ -512,11 +575,18 @@ class Trajectory(BaseModel):
     egress: list[EgressEvent] = Field(default_factory=list)
     """The connections a sandbox with network tried during the episode, allowed or refused,
     in order (empty without network)."""
+    harness: HarnessRun | None = None
+    """How the job's own harness ran, for a job with `agent.command`."""
     turns: list[Turn] = Field(default_factory=list)
     prompt_ids: list[int] = Field(default_factory=list)
+    """The first segment's prompt (the first model call's)."""
     response_ids: list[int] = Field(default_factory=list)
     loss_mask: list[int] = Field(default_factory=list)
     logprobs: list[float | None] = Field(default_factory=list)
+    segments: list[Segment] = Field(default_factory=list)
+    """The segments after the first, each a trainable sequence of its own (the arrays above
+    are the first); empty when the whole trajectory is one sequence, as the built-in agent
+    loop's always is. `core.flatten.sequences` gives all of them in one list."""
     created_at: float | None = None
     finished_at: float | None = None
 

@@ -9,25 +9,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from routing.protocol import KnowsRefusedIds, PolicyClient
+from routing.protocol import Completion, KnowsRefusedIds, PolicyClient
 from routing.vllm import OutOfVocabularyError
 from sandbox.base import SandboxSecurityError
+from workers.conversation import Conversation, Templater
 from workers.handlers.base import Handler
 from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
-
-
-class Templater(Protocol):
-    async def prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]: ...
-
-    async def continuation_ids(
-        self,
-        last_output_ids: list[int],
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]: ...
 
 
 class ToolRunner(Protocol):
@@ -63,6 +51,14 @@ class Episode:
     truncated: bool
 
 
+class _Stop(Exception):
+    """Ends the episode: `reason` is its `stop_reason`."""
+
+    def __init__(self, reason: str, truncated: bool) -> None:
+        self.reason = reason
+        self.truncated = truncated
+
+
 async def run_episode(
     handler: Handler,
     task: dict[str, Any],
@@ -79,11 +75,10 @@ async def run_episode(
     `stop_reason` says which: `answer` (or the handler's own reason), `finish` (the model
     called the finish tool), `max_turns`, `token_budget`, `time_budget` (the limits'
     deadline passed: checked before every call, and a call still running then is cut off),
-    `context_length` or
-    `invalid_token` (the model generated an id outside the backend's vocabulary, so no later
-    prompt can carry it: known before sending, or told by the backend's refusal of the next
-    prompt; the trajectory keeps the id as returned). A call cut by its per-call
-    `max_tokens` is handed on like any other turn.
+    `context_length` or `invalid_token` (the model generated an id outside the backend's
+    vocabulary, so no later prompt can carry it: known before sending, or told by the
+    backend's refusal of the next prompt; the trajectory keeps the id as returned). A call
+    cut by its per-call `max_tokens` is handed on like any other turn.
     With `tools` declared, the turn's `<tool_call>` blocks are run on `runner` and their
     results appended as tool messages; a malformed call becomes an error message the model
     reads, and is counted. A turn without calls goes to the handler's `step`.
@@ -91,103 +86,139 @@ async def run_episode(
     it returns is awaited when awaitable: a save made on a thread).
     """
     declared = {t.get("function", t).get("name") for t in tools or []}
-    prompt = await templater.prompt_ids(messages, tools)
+    conversation = Conversation(templater)
     context = await policy.max_model_len()
-    builder = TrajectoryBuilder(prompt)
-    if len(prompt) >= context:
-        return Episode(builder, "context_length", truncated=True)
-
-    for turn in range(limits.max_turns):
-        budget_left = limits.max_total_tokens - len(builder.response_ids)
-        room = context - builder.sequence_length
-        if budget_left <= 0:
-            return Episode(builder, "token_budget", truncated=True)
-        if room <= 0:
-            return Episode(builder, "context_length", truncated=True)
-        max_tokens = min(limits.max_tokens, budget_left, room)
-        if turn > 0 and _known_refused(policy, builder):
-            return Episode(builder, "invalid_token", truncated=False)
-        time_left = limits.time_left()
-        if time_left is not None and time_left <= 0:
-            return Episode(builder, "time_budget", truncated=True)
-
-        turn_started = started = time.perf_counter()
-        try:
-            completion = await asyncio.wait_for(
-                policy.complete(
-                    builder.sequence,
-                    max_tokens=max_tokens,
-                    temperature=limits.temperature,
-                    top_p=limits.top_p,
-                    seed=limits.seed,
-                    stop=limits.stop,
-                ),
-                timeout=time_left,
+    messages = list(messages)
+    conversation.commit(await conversation.plan(messages, tools), messages, tools)
+    builder = conversation.builder
+    assert builder is not None
+    try:
+        _fits(builder, context, limits)
+        for turn in range(limits.max_turns):
+            max_tokens = _next_call(builder, context, limits, policy, turn)
+            turn_started = time.perf_counter()
+            completion = await _call(policy, builder, limits, max_tokens)
+            parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
+            reply = {"role": "assistant", "content": completion.text}
+            model_turn = conversation.record(
+                completion,
+                reply,
+                llm_seconds=time.perf_counter() - turn_started,
+                tool_calls=[c.as_dict() for c in parsed.calls],
             )
-        except TimeoutError:
-            if limits.time_left() == 0:
-                return Episode(builder, "time_budget", truncated=True)
-            raise
-        except OutOfVocabularyError as exc:
-            if _generated_refused(builder, exc):
-                return Episode(builder, "invalid_token", truncated=False)
-            raise
-        llm_seconds = time.perf_counter() - started
-        parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
-        model_turn = builder.add_model_turn(
-            completion.output_ids,
-            completion.logprobs,
-            completion.text,
-            completion.finish_reason,
-            llm_seconds=llm_seconds,
-            tool_calls=[c.as_dict() for c in parsed.calls],
-        )
-        model_turn.backend_id = completion.backend_id
-        model_turn.policy_version = completion.policy_version
-        builder.malformed_tool_calls += len(parsed.errors)
-        saving = on_turn(builder)  # a save on a thread goes on while the tools run
-
-        if completion.finish_reason == "length":
-            # A call cut by its own max_tokens is one truncated turn; the episode goes on.
-            # Cut by the job's budget or the context, nothing more fits.
-            if max_tokens == room and room < limits.max_tokens:
-                await _saved(saving)
-                return Episode(builder, "context_length", truncated=True)
-            if max_tokens == budget_left and budget_left < limits.max_tokens:
-                await _saved(saving)
-                return Episode(builder, "token_budget", truncated=True)
-
-        step_started = time.perf_counter()
-        try:
-            if parsed.calls or parsed.errors:
-                replies, finished = await _run_calls(parsed, declared, runner, limits.tool_timeout)
-                step = None
-            else:
-                finished = False
-                step = handler.step(task, completion.text, turn)
-                replies = step.messages
-            step_seconds = time.perf_counter() - step_started
-        finally:
-            await _saved(saving)  # saved before anything else is (or the episode ends)
-        if finished:
-            return Episode(builder, "finish", truncated=False)
-        if step is not None and step.done:
-            return Episode(builder, step.stop_reason or "answer", truncated=False)
-        if turn == limits.max_turns - 1:
-            break
-        observation = await templater.continuation_ids(completion.output_ids, replies, tools)
-        if len(builder.response_ids) + len(observation) >= limits.max_total_tokens:
-            return Episode(builder, "token_budget", truncated=True)
-        if builder.sequence_length + len(observation) >= context:
-            return Episode(builder, "context_length", truncated=True)
-        builder.add_env_turn(
-            observation,
-            text="\n".join(str(m.get("content", "")) for m in replies),
-            tool_seconds=step_seconds,
-        )
-        model_turn.turn_seconds = time.perf_counter() - turn_started
-        await _saved(on_turn(builder))
+            builder.malformed_tool_calls += len(parsed.errors)
+            saving = on_turn(builder)  # a save on a thread goes on while the tools run
+            step_started = time.perf_counter()
+            try:
+                _cut_by_bounds(completion, builder, context, limits, max_tokens)
+                replies = await _react(handler, task, completion.text, turn, parsed, declared,
+                                       runner, limits.tool_timeout)  # fmt: skip
+            finally:
+                await _saved(saving)  # saved before anything else is (or the episode ends)
+            if turn == limits.max_turns - 1:
+                break
+            messages = [*messages, reply, *replies]
+            observation = await conversation.plan(messages, tools)
+            _fits(builder, context, limits, more=len(observation.ids))
+            conversation.commit(observation, messages, tools, time.perf_counter() - step_started)
+            model_turn.turn_seconds = time.perf_counter() - turn_started
+            await _saved(on_turn(builder))
+    except _Stop as stop:
+        return Episode(builder, stop.reason, stop.truncated)
     return Episode(builder, "max_turns", truncated=False)
+
+
+def _fits(builder: TrajectoryBuilder, context: int, limits: Limits, more: int = 0) -> None:
+    """Stop when `more` ids after the sequence would spend the token budget or fill the
+    context (the first prompt alone: when it fills the context)."""
+    if more and builder.total_response_length + more >= limits.max_total_tokens:
+        raise _Stop("token_budget", truncated=True)
+    if builder.sequence_length + more >= context:
+        raise _Stop("context_length", truncated=True)
+
+
+def _next_call(
+    builder: TrajectoryBuilder, context: int, limits: Limits, policy: PolicyClient, turn: int
+) -> int:
+    """The next call's `max_tokens`, or a stop: no budget, room or time is left, or the
+    sequence holds an id the backend refuses."""
+    budget_left = limits.max_total_tokens - builder.total_response_length
+    room = context - builder.sequence_length
+    if budget_left <= 0:
+        raise _Stop("token_budget", truncated=True)
+    if room <= 0:
+        raise _Stop("context_length", truncated=True)
+    if turn > 0 and _known_refused(policy, builder):
+        raise _Stop("invalid_token", truncated=False)
+    time_left = limits.time_left()
+    if time_left is not None and time_left <= 0:
+        raise _Stop("time_budget", truncated=True)
+    return min(limits.max_tokens, budget_left, room)
+
+
+async def _call(
+    policy: PolicyClient, builder: TrajectoryBuilder, limits: Limits, max_tokens: int
+) -> Completion:
+    """The model call after the sequence, cut off at the deadline."""
+    try:
+        return await asyncio.wait_for(
+            policy.complete(
+                builder.sequence,
+                max_tokens=max_tokens,
+                temperature=limits.temperature,
+                top_p=limits.top_p,
+                seed=limits.seed,
+                stop=limits.stop,
+            ),
+            timeout=limits.time_left(),
+        )
+    except TimeoutError:
+        if limits.time_left() == 0:
+            raise _Stop("time_budget", truncated=True) from None
+        raise
+    except OutOfVocabularyError as exc:
+        if _generated_refused(builder, exc):
+            raise _Stop("invalid_token", truncated=False) from None
+        raise
+
+
+def _cut_by_bounds(
+    completion: Completion,
+    builder: TrajectoryBuilder,
+    context: int,
+    limits: Limits,
+    max_tokens: int,
+) -> None:
+    """A call cut by its own `max_tokens` is one truncated turn and the episode goes on; cut
+    by the job's budget or the context, nothing more fits."""
+    if completion.finish_reason != "length" or max_tokens >= limits.max_tokens:
+        return
+    if max_tokens == context - (builder.sequence_length - len(completion.output_ids)):
+        raise _Stop("context_length", truncated=True)
+    raise _Stop("token_budget", truncated=True)
+
+
+async def _react(
+    handler: Handler,
+    task: dict[str, Any],
+    text: str,
+    turn: int,
+    parsed: ParsedCalls,
+    declared: set[str | None],
+    runner: ToolRunner | None,
+    tool_timeout: float,
+) -> list[dict[str, Any]]:
+    """The environment's reply to a model turn: its tool calls run, or the handler's step
+    (a stop when the model called `finish` or the handler is done)."""
+    if parsed.calls or parsed.errors:
+        replies, finished = await _run_calls(parsed, declared, runner, tool_timeout)
+        if finished:
+            raise _Stop("finish", truncated=False)
+        return replies
+    step = handler.step(task, text, turn)
+    if step.done:
+        raise _Stop(step.stop_reason or "answer", truncated=False)
+    return step.messages
 
 
 def _generated_ids(builder: TrajectoryBuilder) -> list[int]:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 TURN: TypeAdapter[Turn] = TypeAdapter(Turn)
 
-FLAT = {"prompt_ids", "response_ids", "loss_mask", "logprobs"}
+FLAT = {"prompt_ids", "response_ids", "loss_mask", "logprobs", "segments"}
 """The flattened arrays: derived from the turns, not stored while the job runs."""
 
 TURN_SECONDS = "turn_seconds"
