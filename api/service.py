@@ -102,6 +102,20 @@ def validate_task(task: Task, loc: Sequence[str | int]) -> None:
         ) from None
 
 
+def check_harness(agent: AgentParams, task: Task, loc: Sequence[str | int]) -> None:
+    """Refuse `agent.command` for a task whose handler runs no sandbox: the harness runs in
+    the job's box."""
+    if agent.command is None:
+        return
+    if not get_handler(task.data_source).needs_sandbox:
+        raise RequestError(
+            422,
+            f"agent.command runs the harness in the job's sandbox, but {task.data_source!r} "
+            "tasks have none (use a handler with a sandbox: shell, swe, code)",
+            [*loc, "data_source"],
+        )
+
+
 def check_seed_span(sampling: SamplingParams, samples: int) -> None:
     """Refuse a base seed whose samples' seeds (`seed` to `seed + samples - 1`) would pass the
     largest 64-bit seed."""
@@ -140,6 +154,8 @@ def resolve_agent(agent: AgentParams, settings: Settings) -> dict[str, Any]:
     if agent.max_staleness is not None:
         resolved["max_staleness"] = agent.max_staleness
         resolved["on_stale"] = agent.on_stale or "rerun"
+    if agent.command is not None:
+        resolved["command"] = agent.command
     return resolved
 
 
@@ -221,6 +237,7 @@ def _enqueue(
 def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonymous") -> str:
     """Validate and enqueue one job; returns its id."""
     validate_task(request.task, ["body", "task"])
+    check_harness(request.agent, request.task, ["body", "task"])
     check_task_size(svc, request.task, ["body", "task"])
     _require_backend(svc)
     check_token_limits(svc, request.sampling, ["body", "sampling"])
@@ -300,6 +317,7 @@ def submit_batch(
         check_job_count(svc, count, what, ["body", "dynamic_sampling", "max_inflight_groups"])
     for index, task in enumerate(request.tasks):
         validate_task(task, ["body", "tasks", index])
+        check_harness(request.agent, task, ["body", "tasks", index])
         check_task_size(svc, task, ["body", "tasks", index])
     _require_backend(svc)
     check_token_limits(svc, request.sampling, ["body", "sampling"])

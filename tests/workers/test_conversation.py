@@ -4,78 +4,12 @@ segments the job store derives from the turns."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from core.flatten import derivable, fill_flat, sequences
 from core.schemas import Trajectory
-from routing.protocol import Completion
+from tests.support.toytemplate import END, HEADERS, ToyTemplater, answer, chars
 from workers.conversation import Conversation
-
-HEADERS = {"system": 1, "user": 2, "assistant": 3, "tool": 4}
-END = 9
-TOOLS_MARK = 7
-
-
-def _chars(text: str) -> list[int]:
-    return [100 + ord(c) for c in text]
-
-
-def _message_text(message: dict[str, Any]) -> str:
-    text = str(message.get("content") or "")
-    for call in message.get("tool_calls") or []:
-        fn = call["function"]
-        args = fn["arguments"]
-        args = json.loads(args) if isinstance(args, str) else args
-        text += f"<call {fn['name']} {json.dumps(args, sort_keys=True)}>"
-    return text
-
-
-class ToyTemplater:
-    """A chat template over characters: a header id per role, the text's characters, an end
-    id; the generation prompt is the assistant header; tools are listed first."""
-
-    def __init__(self) -> None:
-        self.full_renders = 0
-
-    def _render(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids: list[int] = []
-        for m in messages:
-            ids += [HEADERS[m["role"]], *_chars(_message_text(m)), END]
-        return ids
-
-    async def prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        self.full_renders += 1
-        head = (
-            [TOOLS_MARK, *_chars(",".join(t["function"]["name"] for t in tools))] if tools else []
-        )
-        return head + self._render(messages) + [HEADERS["assistant"]]
-
-    async def continuation_ids(
-        self,
-        last_output_ids: list[int],
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        closing = [] if last_output_ids[-1:] == [END] else [END]
-        return closing + self._render(messages) + [HEADERS["assistant"]]
-
-
-def _answer(text: str, version: int = 3) -> Completion:
-    ids = [*_chars(text), END]
-    return Completion(
-        output_ids=ids,
-        logprobs=[-0.5] * len(ids),
-        text=text,
-        finish_reason="stop",
-        stop_reason=None,
-        prompt_tokens=0,
-        backend_id="b",
-        policy_version=version,
-    )
-
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "hi"}
@@ -86,7 +20,7 @@ async def _first_call(conv: Conversation, text: str = "ok") -> dict[str, Any]:
     messages = [SYSTEM, USER]
     conv.commit(await conv.plan(messages, None), messages, None)
     reply = {"role": "assistant", "content": text}
-    conv.record(_answer(text), reply, llm_seconds=0.1)
+    conv.record(answer(text), reply, llm_seconds=0.1)
     return reply
 
 
@@ -98,7 +32,7 @@ async def test_a_call_that_continues_the_last_one_appends_only_its_new_messages(
     messages = [SYSTEM, USER, dict(reply), tool]  # sent back as a copy, as a harness does
     prompt = await conv.plan(messages, None)
     assert prompt.segment is None
-    assert prompt.ids == [HEADERS["tool"], *_chars("x"), END, HEADERS["assistant"]]
+    assert prompt.ids == [HEADERS["tool"], *chars("x"), END, HEADERS["assistant"]]
     assert templater.full_renders == 1  # only the first prompt was rendered whole
     conv.commit(prompt, messages, None, tool_seconds=0.5)
     assert conv.builder is not None
@@ -151,7 +85,7 @@ async def test_tool_call_arguments_sent_back_reformatted_still_continue() -> Non
     conv.commit(await conv.plan(messages, TOOLS), messages, TOOLS)
     call = {"id": "call_1", "type": "function",
             "function": {"name": "bash", "arguments": '{"command":"ls","timeout":5}'}}  # fmt: skip
-    conv.record(_answer("run"), {"role": "assistant", "content": "run", "tool_calls": [call]}, 0.1)
+    conv.record(answer("run"), {"role": "assistant", "content": "run", "tool_calls": [call]}, 0.1)
     again = {"name": "bash", "arguments": '{"timeout": 5, "command": "ls"}'}
     back = {"role": "assistant", "content": "run\n",
             "tool_calls": [{"id": "other", "type": "function", "function": again}]}  # fmt: skip
@@ -165,10 +99,10 @@ async def test_two_segments_flatten_as_the_job_store_derives_them() -> None:
     messages = [SYSTEM, USER, reply, {"role": "tool", "content": "x"}]
     conv.commit(await conv.plan(messages, None), messages, None)
     second = {"role": "assistant", "content": "done"}
-    conv.record(_answer("done"), second, 0.1)
+    conv.record(answer("done"), second, 0.1)
     summary = [SYSTEM, {"role": "user", "content": "summary"}]
     conv.commit(await conv.plan(summary, None), summary, None)
-    conv.record(_answer("again", version=4), {"role": "assistant", "content": "again"}, 0.1)
+    conv.record(answer("again", version=4), {"role": "assistant", "content": "again"}, 0.1)
     assert conv.builder is not None
     built = conv.builder.fill(Trajectory(job_id="j", group_id="g", instance_id="i",
                                          data_source="shell", status="run"))  # fmt: skip
@@ -180,6 +114,6 @@ async def test_two_segments_flatten_as_the_job_store_derives_them() -> None:
     assert second_segment.reason == "history_changed"
     assert second_segment.first_turn == 3
     assert second_segment.prompt_ids == await ToyTemplater().prompt_ids(summary)
-    assert second_segment.response_ids == [*_chars("again"), END]
+    assert second_segment.response_ids == [*chars("again"), END]
     assert second_segment.loss_mask == [1] * 6 and second_segment.policy_versions == [4]
-    assert first.loss_mask.count(0) == len(_chars("x")) + 3  # tool header, text, end, gen
+    assert first.loss_mask.count(0) == len(chars("x")) + 3  # tool header, text, end, gen
