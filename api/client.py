@@ -1,12 +1,16 @@
 """The Python client of the rollserve gateway, for trainers: sync and async, same methods.
 
     from api.client import RolloutClient
+    from core.flatten import sequences
 
     with RolloutClient() as client:                 # ROLLSERVE_URL, ROLLSERVE_API_TOKEN
         batch = client.submit_batch(tasks, group_size=8, sampling={"temperature": 1.0})
         for trajectory in client.iter_batch_results(batch.batch_id):
-            ...  # trajectory.response_ids, .loss_mask, .logprobs, .reward
+            for part in sequences(trajectory):      # one per segment
+                ...  # part.prompt_ids, .response_ids, .loss_mask, .logprobs; trajectory.reward
 
+A trajectory is one trainable sequence, or several when a harness edited its history
+(`Trajectory.segments`): `core.flatten.sequences` gives them all, each with the job's reward.
 Every answer is parsed into the models of `core.schemas`. Every failure, an HTTP error status
 or an unreachable gateway, is raised as `RolloutServiceError`; a results stream that breaks is
 first resumed after its last line, for up to `resume_for` seconds (see `api.resume`).

@@ -5,11 +5,14 @@ Multi-turn episodes are run with the real Qwen2/2.5/3 vocabulary (the BPE ranks 
 tiny model's Qwen chat template. For each finished trajectory two questions are asked:
 
 - rollserve: does the record (`TrajectoryBuilder`: each turn's `output_ids` and logprobs, the
-  flattened sequence and loss mask) hold exactly what the generator produced? What was
-  generated is taken outside the record path: for server rows from the raw `/v1/completions`
-  response bodies, captured by an httpx response hook on the worker's HTTP client; for
-  in-process rows from the sampler's own log. Every prompt sent must also be exactly the record
-  so far (token-in: the server continued from its own ids). Expected: 0 mismatched sequences.
+  flattened sequence and loss mask of each segment) hold exactly what the generator produced?
+  What was generated is taken outside the record path: for server rows from the raw
+  `/v1/completions` response bodies, captured by an httpx response hook on the worker's HTTP
+  client; for in-process rows from the sampler's own log. Every prompt sent must also be exactly
+  the record so far (token-in: the server continued from its own ids), from the prompt of the
+  segment it belongs to (a call whose prompt did not extend the sequence began a new segment,
+  `core.schemas.Segment`). Expected: 0 mismatched sequences. `segments` counts the trainable
+  sequences (one per trajectory when no call began a new one).
 - re-tokenizing baseline, on the same trajectories: what a text-based pipeline trains on.
   Each model turn's ids are decoded to text (`skip_special_tokens=False`, without the
   EOS/stop id that ended the turn, as a chat API returns content), the conversation is rebuilt
@@ -24,7 +27,9 @@ tiny model's Qwen chat template. For each finished trajectory two questions are 
   turn drifts if one of its ids has no counterpart or an id is inserted in or next to it.
   The baseline is the kindest text pipeline: assistant text is kept verbatim (tool calls are
   not parsed into structured `tool_calls` and re-rendered, and the template keeps earlier
-  reasoning), so what drifts here comes only from decode → encode and turn boundaries.
+  reasoning), so what drifts here comes only from decode → encode and turn boundaries. It is
+  defined for a trajectory of one segment (a later segment's prompt is not a continuation of
+  what came before): a row with a longer one records the baseline as failed, with the reason.
 
 Generators (rows), over the same vocabulary, all through `workers.agent.run_episode` with the
 real `math` and `shell` handlers (shell tool calls answered by a stand-in tool runner that
@@ -93,7 +98,8 @@ from bench.support.engines import Engine, EngineUnavailable, start_engines, stop
 from bench.support.plot import add_figure_option, measured, write_figure
 from bench.support.report import failed_baseline, finite, print_json
 from broker.processes import free_port, spawn, stop_group
-from core.schemas import EnvTurn, ModelTurn
+from core.flatten import sequences
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Segment, Trajectory
 from routing.chat import ChatTemplater
 from routing.devserver.protocol import tool_for_template
 from routing.devserver.tiny import build_qwen_tokenizer, make_tiny_model
@@ -150,6 +156,13 @@ class Recorded:
     """The template's ids that end an assistant turn (`<|im_end|>\\n`)."""
     calls: list[Call]
     stop_reason: str
+    segments: list[Segment] = field(default_factory=list)
+    """The record's later segments (the arrays above are its first), as `Trajectory.segments`."""
+
+    def sequences(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """Each segment's (prompt ids, response ids, loss mask) as recorded, the first first."""
+        first = (self.prompt_ids, self.response_ids, self.loss_mask)
+        return [first, *((s.prompt_ids, s.response_ids, s.loss_mask) for s in self.segments)]
 
 
 def close_turn(output_ids: list[int], closing: list[int]) -> list[int]:
@@ -188,8 +201,9 @@ class RecordCheck:
 
 
 def check_record(rec: Recorded) -> RecordCheck:
-    """Compare the record with the generator's own calls: each model turn's ids and logprobs,
-    each call's prompt against the record up to it, and the flattened sequence and mask."""
+    """Compare the record with the generator's own calls: each model turn's ids and logprobs
+    (over every segment), each call's prompt against its segment's record up to it, and each
+    segment's flattened sequence and mask."""
     model_turns = [t for t in rec.turns if isinstance(t, ModelTurn)]
     bad = 0
     differs = len(model_turns) != len(rec.calls)
@@ -202,21 +216,27 @@ def check_record(rec: Recorded) -> RecordCheck:
         bad += sum(a != b for a, b in zip(got.output_ids, sent.output_ids, strict=False))
         bad += abs(len(got.output_ids) - len(sent.output_ids))
         differs |= got.output_ids != sent.output_ids or got.logprobs != sent.logprobs
-    sequence = list(rec.prompt_ids)
+    sequence, mask = list(rec.prompt_ids), [0] * len(rec.prompt_ids)
+    rebuilt: list[tuple[list[int], list[int]]] = []  # each segment's ids and mask, from turns
     index = 0
-    for turn in rec.turns:
+    for position, turn in enumerate(rec.turns):
         if isinstance(turn, ModelTurn):
+            if position > 0 and turn.segment_start is not None:
+                rebuilt.append((sequence, mask))
+                sequence, mask = list(turn.prompt_ids), [0] * len(turn.prompt_ids)
             if index < len(rec.calls) and rec.calls[index].prompt_ids != sequence:
                 differs = True
-            sequence += turn.output_ids
+            sequence = sequence + turn.output_ids
+            mask = mask + [1] * len(turn.output_ids)
             index += 1
         else:
-            sequence += turn.observation_ids
-    differs |= sequence != rec.prompt_ids + rec.response_ids
-    mask = [1 if owner >= 0 else 0 for owner in generated_sequence(rec)[1]]
-    differs |= mask[len(rec.prompt_ids) : len(rec.prompt_ids) + len(rec.loss_mask)] != (
-        rec.loss_mask
-    )
+            sequence = sequence + turn.observation_ids
+            mask = mask + [0] * len(turn.observation_ids)
+    rebuilt.append((sequence, mask))
+    recorded = rec.sequences()
+    differs |= len(rebuilt) != len(recorded)
+    for (ids, marks), (prompt, response, loss_mask) in zip(rebuilt, recorded, strict=False):
+        differs |= ids != prompt + response or marks[len(prompt) :] != loss_mask
     return RecordCheck(differs=differs, mismatched_tokens=bad)
 
 
@@ -365,7 +385,12 @@ def compare(generated: list[int], owners: list[int], retok: list[int], special: 
 
 
 def retokenize_drift(tokenizer: Any, rec: Recorded) -> Drift:
-    """The re-tokenizing baseline's drift on one recorded trajectory."""
+    """The re-tokenizing baseline's drift on one recorded trajectory of one segment."""
+    if rec.segments:
+        raise ValueError(
+            f"a trajectory of {1 + len(rec.segments)} segments is not one generated sequence "
+            "to compare a re-tokenized conversation with"
+        )
     generated, owners = generated_sequence(rec)
     special = {int(i) for i in tokenizer.all_special_ids}
     return compare(generated, owners, retokenize(tokenizer, rec), special)
@@ -468,25 +493,31 @@ async def run_jobs(
             if not latest:
                 raise
             b, stop_reason = latest[-1], f"backend_error: {e.message}"[:200]
+        scratch = Trajectory(
+            job_id="bench", group_id="bench", instance_id="bench", data_source="bench",
+            status=JobStatus.run,
+        )  # fmt: skip
+        first, *later = sequences(b.fill(scratch))
         turns = list(b.turns)
-        response, mask = list(b.response_ids), list(b.loss_mask)
+        tail = later[-1] if later else first  # the segment the last turns belong to
         while turns and isinstance(last := turns[-1], EnvTurn):  # no model turn followed it
             turns.pop()
-            dropped = len(last.observation_ids)
-            del response[len(response) - dropped :], mask[len(mask) - dropped :]
+            kept = len(tail.response_ids) - len(last.observation_ids)
+            del tail.response_ids[kept:], tail.loss_mask[kept:], tail.logprobs[kept:]
         envs = sum(1 for t in turns if isinstance(t, EnvTurn))
         out.append(
             Recorded(
                 messages=[dict(m) for m in messages],
                 tools=tools,
-                prompt_ids=list(b.prompt_ids),
+                prompt_ids=first.prompt_ids,
                 turns=turns,
-                response_ids=response,
-                loss_mask=mask,
+                response_ids=first.response_ids,
+                loss_mask=first.loss_mask,
                 replies=recording.replies[:envs],
                 closing=await templater.closing_ids(tools),
                 calls=calls_of(),
                 stop_reason=stop_reason,
+                segments=later,
             )
         )
     return out
@@ -874,6 +905,9 @@ class Row:
     model_turns: int = 0
     generated_tokens: int = 0
     total_tokens: int = 0
+    segments: int = 0
+    """Trainable sequences over the row's trajectories (one each unless a call began a new
+    segment); `record_differing_sequences` counts trajectories whose record differs in any."""
     record_differing_sequences: int = 0
     record_mismatched_tokens: int = 0
     drift_trajectories: int = 0
@@ -932,7 +966,8 @@ def summarize(
         row.trajectories += 1
         row.model_turns += 1 + max(owners, default=-1)
         row.generated_tokens += sum(1 for o in owners if o >= 0)
-        row.total_tokens += len(rec.prompt_ids) + len(rec.response_ids)
+        row.total_tokens += sum(len(p) + len(r) for p, r, _ in rec.sequences())
+        row.segments += 1 + len(rec.segments)
         row.record_differing_sequences += int(check.differs)
         row.record_mismatched_tokens += check.mismatched_tokens
         if row.baseline_failure is None:

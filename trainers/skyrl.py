@@ -14,6 +14,17 @@ order: `prompt_token_ids`, `response_ids`, `rewards` (rollserve's EVAL), `loss_m
 `rollout_metrics`, `trajectory_ids`, `trajectory_generation_times`, `trajectory_time_splits`
 (`llm`, `env`), `env_metrics`, and None for the fields it has no data for.
 
+A trajectory of several segments (a harness edited or summarised its history, so a model call's
+prompt did not extend the sequence before it: `core.schemas.Segment`) is several training
+samples in SkyRL's step-wise mode (`generator.step_wise_trajectories`; give the generator
+`step_wise=True` with it): each segment is a row of its own, the job's rows adjacent and in order,
+each with the job's `trajectory_ids` entry and reward, `is_last_step` true on the last. SkyRL
+computes the advantage from each trajectory's last step and gives it to all of its steps
+(`RayPPOTrainer.compute_advantages_and_returns`), so the segments of one job share the job's
+advantage and the job counts once in its group. Outside step-wise mode SkyRL takes exactly one row
+per input row: a job is then its first segment alone (a warning says how many were left out). A
+one-segment trajectory is one row either way.
+
 Field names were read from NovaSky-AI/SkyRL at commit
 a9564572eb8e91076be43c1bd5e4615e3de17265 (2026-08-21), `skyrl/train/generators/base.py`
 (`GeneratorInterface`, `GeneratorInput`, `GeneratorOutput`, `TrajectoryID`),
@@ -30,7 +41,10 @@ overriding `BasePPOExp.get_generator`::
 
     class RollserveExp(BasePPOExp):
         def get_generator(self, cfg, tokenizer, inference_engine_client):
-            return RollserveGenerator(url="http://rollserve-gateway:8600")
+            return RollserveGenerator(
+                url="http://rollserve-gateway:8600",
+                step_wise=cfg.generator.step_wise_trajectories,
+            )
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ from typing import Any
 
 from api.client import AsyncRolloutClient
 from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
-from trainers.verl import explicit_task, plain, simple_task
+from trainers.verl import explicit_task, plain, segments_and_turns, simple_task
 
 logger = logging.getLogger(__name__)
 
@@ -172,16 +186,21 @@ def failed(trajectory: Trajectory) -> bool:
     return trajectory.status in FAILED or trajectory.reward is None
 
 
-def stop_reason(trajectory: Trajectory) -> str:
+def stop_reason(
+    trajectory: Trajectory,
+    turns: Sequence[ModelTurn | EnvTurn] | None = None,
+    last: bool = True,
+) -> str:
     """SkyRL's stop reason: `error` for a job that did not complete, `length` when rollserve
     cut the episode (token budget, time budget, context length), else the last model call's
-    finish reason (`stop`, or `length` when it ran out of `max_tokens`)."""
+    finish reason (`stop`, or `length` when it ran out of `max_tokens`). For one segment of
+    the trajectory: its `turns`, and whether it is the `last` (the one a cut ends)."""
     if failed(trajectory):
         return "error"
-    if trajectory.truncated:
+    if trajectory.truncated and last:
         return "length"
-    last = [t for t in trajectory.turns if isinstance(t, ModelTurn)]
-    reason = last[-1].finish_reason if last else None
+    calls = [t for t in (trajectory.turns if turns is None else turns) if isinstance(t, ModelTurn)]
+    reason = calls[-1].finish_reason if calls else None
     return reason or "stop"
 
 
@@ -205,16 +224,20 @@ def generator_output(
     max_response_tokens: int | None = None,
     zero_reward_on_non_stop: bool = False,
     apply_overlong_filtering: bool = False,
+    step_wise: bool = False,
 ) -> dict[str, Any]:
-    """SkyRL's `GeneratorOutput` (every key) for rollserve trajectories, one per input row.
+    """SkyRL's `GeneratorOutput` (every key) for rollserve trajectories, one per input row
+    (with `step_wise`, one row per segment: see the module docstring).
 
     A job that did not complete keeps what it has (a lone `0` id where it has nothing, as
     SkyRL's Harbor generator does), with an all-zero mask, reward 0.0 and stop reason
     `error`; with `mask_failed_groups`, so are the other rows of its group (their rewards
     kept), as a group missing a sample would skew its advantages. Responses longer than
     `max_response_tokens` are cut (stop reason `length`). `zero_reward_on_non_stop` and
-    `apply_overlong_filtering` do what SkyRL's generator options of those names do."""
-    rows = len(trajectories)
+    `apply_overlong_filtering` do what SkyRL's generator options of those names do, row by
+    row."""
+    if step_wise and trajectory_ids is None:
+        raise ValueError("step-wise output needs the input's trajectory_ids")
     bad = [failed(t) for t in trajectories]
     masked = list(bad)
     if mask_failed_groups:
@@ -222,6 +245,13 @@ def generator_output(
             if any(bad[i] for i in group):
                 for i in group:
                     masked[i] = True
+    later = sum(len(t.segments) for t in trajectories)
+    if later and not step_wise:
+        logger.warning(
+            "%d later segment(s) left out: SkyRL takes one row per prompt outside step-wise "
+            "mode (generator.step_wise_trajectories with step_wise=True trains every segment)",
+            later,
+        )
     prompts: list[list[int]] = []
     responses: list[list[int]] = []
     masks: list[list[int]] = []
@@ -229,65 +259,79 @@ def generator_output(
     rewards: list[float] = []
     reasons: list[str] = []
     env_metrics: list[dict[str, Any]] = []
+    owners: list[int] = []  # the trajectory of each row
+    last_steps: list[bool] = []
     for i, traj in enumerate(trajectories):
-        response = list(traj.response_ids)
-        mask = [int(m) for m in traj.loss_mask]
-        lps = [0.0 if lp is None else float(lp) for lp in traj.logprobs]
-        if len(mask) != len(response) or (with_logprobs and len(lps) != len(response)):
-            raise ValueError(f"job {traj.job_id}: loss_mask/logprobs not aligned with response")
-        reason = stop_reason(traj)
-        if max_response_tokens is not None and len(response) > max_response_tokens:
-            response, mask = response[:max_response_tokens], mask[:max_response_tokens]
-            lps = lps[:max_response_tokens]
-            reason = "length" if reason != "error" else reason
-        reward = 0.0 if traj.reward is None or bad[i] else float(traj.reward)
-        prompt = list(traj.prompt_ids)
-        if bad[i]:
-            prompt, response = prompt or [0], response or [0]
-            lps = lps if len(lps) == len(response) else [0.0] * len(response)
-        if masked[i] or len(mask) != len(response):
-            mask = [0] * len(response)
-        if zero_reward_on_non_stop and reason != "stop":
-            reward = 0.0
-        if apply_overlong_filtering and reason != "stop":
-            mask = [0] * len(response)
-        prompts.append(prompt)
-        responses.append(response)
-        masks.append(mask)
-        logprobs.append(lps)
-        rewards.append(reward)
-        reasons.append(reason)
-        env_metrics.append(
-            {
+        parts = segments_and_turns(traj)
+        rows = parts if step_wise else parts[:1]
+        for k, (part, turns) in enumerate(rows):
+            response = list(part.response_ids)
+            mask = [int(m) for m in part.loss_mask]
+            lps = [0.0 if lp is None else float(lp) for lp in part.logprobs]
+            if len(mask) != len(response) or (with_logprobs and len(lps) != len(response)):
+                raise ValueError(f"job {traj.job_id}: loss_mask/logprobs not aligned with response")
+            reason = stop_reason(traj, turns, last=k == len(parts) - 1)
+            if max_response_tokens is not None and len(response) > max_response_tokens:
+                response, mask = response[:max_response_tokens], mask[:max_response_tokens]
+                lps = lps[:max_response_tokens]
+                reason = "length" if reason != "error" else reason
+            reward = 0.0 if traj.reward is None or bad[i] else float(traj.reward)
+            prompt = list(part.prompt_ids)
+            if bad[i]:
+                prompt, response = prompt or [0], response or [0]
+                lps = lps if len(lps) == len(response) else [0.0] * len(response)
+            if masked[i] or len(mask) != len(response):
+                mask = [0] * len(response)
+            if zero_reward_on_non_stop and reason != "stop":
+                reward = 0.0
+            if apply_overlong_filtering and reason != "stop":
+                mask = [0] * len(response)
+            metrics_row: dict[str, Any] = {
                 "rollserve_job_id": traj.job_id,
                 "rollserve_status": str(traj.status),
                 "rollserve_stop_reason": traj.stop_reason,
                 "tool_calls": traj.tool_calls,
                 "malformed_tool_calls": traj.malformed_tool_calls,
             }
-        )
+            if len(parts) > 1:
+                metrics_row.update(rollserve_segment=k, rollserve_segment_reason=part.reason)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(mask)
+            logprobs.append(lps)
+            rewards.append(reward)
+            reasons.append(reason)
+            env_metrics.append(metrics_row)
+            owners.append(i)
+            last_steps.append(k == len(rows) - 1)
     elapsed = [_elapsed(t) for t in trajectories]
     times = None if any(e is None for e in elapsed) else [float(e or 0.0) for e in elapsed]
     splits = {
-        "llm": [float(t.timing.llm) for t in trajectories],
-        "env": [float(t.timing.tools) for t in trajectories],
+        "llm": [float(trajectories[i].timing.llm) for i in owners],
+        "env": [float(trajectories[i].timing.tools) for i in owners],
     }
-    turns = [
+    turns_per_job = [
         sum(isinstance(x, ModelTurn | EnvTurn) for x in t.turns) + 1
         for i, t in enumerate(trajectories)
         if not bad[i]
     ]
     lengths = [len(r) for r in responses]
+    trained = [False] * len(trajectories)
+    for i, mask in zip(owners, masks, strict=True):
+        trained[i] |= any(mask)
     metrics: dict[str, Any] = {
         "generate/min_num_tokens": min(lengths, default=0),
         "generate/max_num_tokens": max(lengths, default=0),
         "generate/avg_num_tokens": _mean([float(n) for n in lengths]),
         "generate/avg_assistant_tokens": _mean([float(sum(m)) for m in masks]),
         "generate/num_error_trajectories": sum(bad),
-        "generate/num_masked_trajectories": sum(1 for m in masks if not any(m)),
-        "generate/avg_num_turns": _mean([float(n) for n in turns]),
-        "rollserve/mean_reward": _mean(rewards),
+        "generate/num_masked_trajectories": trained.count(False),
+        "generate/avg_num_turns": _mean([float(n) for n in turns_per_job]),
+        "rollserve/mean_reward": _mean(
+            [r for r, last in zip(rewards, last_steps, strict=True) if last]
+        ),
         "rollserve/truncated": sum(1 for t in trajectories if t.truncated),
+        "rollserve/later_segments": later,
     }
     if times:
         metrics["generate/trajectory_time_completion_mean"] = _mean(times)
@@ -299,12 +343,14 @@ def generator_output(
         "stop_reasons": reasons,
         "rollout_metrics": metrics,
         "rollout_logprobs": logprobs if with_logprobs else None,
-        "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
-        "trajectory_generation_times": times,
-        "trajectory_time_splits": splits if rows else None,
+        "trajectory_ids": (
+            [trajectory_ids[i] for i in owners] if trajectory_ids is not None else None
+        ),
+        "trajectory_generation_times": None if times is None else [times[i] for i in owners],
+        "trajectory_time_splits": splits if trajectories else None,
         "rollout_expert_indices": None,
         "rollout_sample_support": None,
-        "is_last_step": None,
+        "is_last_step": last_steps if step_wise else None,
         "env_metrics": env_metrics,
         "pixel_values": None,
         "image_grid_thw": None,
@@ -390,7 +436,8 @@ class RollserveGeneratorMixin:
     `agent` limits; the service defaults when None); `max_response_tokens` (cut longer
     responses); `timeout` (seconds per `generate`, then unfinished jobs are cancelled);
     `mask_failed_groups`, `zero_reward_on_non_stop`, `apply_overlong_filtering` (see
-    `generator_output`)."""
+    `generator_output`); `step_wise`: SkyRL's `generator.step_wise_trajectories`, so every
+    segment of a job is a row of its own (see the module docstring)."""
 
     def __init__(
         self,
@@ -406,6 +453,7 @@ class RollserveGeneratorMixin:
         mask_failed_groups: bool = True,
         zero_reward_on_non_stop: bool = False,
         apply_overlong_filtering: bool = False,
+        step_wise: bool = False,
     ) -> None:
         super().__init__()
         self.url = url
@@ -422,6 +470,7 @@ class RollserveGeneratorMixin:
         self.mask_failed_groups = mask_failed_groups
         self.zero_reward_on_non_stop = zero_reward_on_non_stop
         self.apply_overlong_filtering = apply_overlong_filtering
+        self.step_wise = step_wise
 
     def tasks_and_groups(
         self, input_batch: Mapping[str, Any]
@@ -447,7 +496,8 @@ class RollserveGeneratorMixin:
         return tasks, groups
 
     async def generate(self, input_batch: Mapping[str, Any]) -> dict[str, Any]:
-        """SkyRL's `GeneratorInterface.generate`: one `GeneratorOutput` row per input row."""
+        """SkyRL's `GeneratorInterface.generate`: one `GeneratorOutput` row per input row (per
+        segment with `step_wise`)."""
         tasks, groups = self.tasks_and_groups(input_batch)
         params = input_batch.get("sampling_params")
         async with AsyncRolloutClient(self.url, self.token, timeout=self.request_timeout) as client:
@@ -474,6 +524,7 @@ class RollserveGeneratorMixin:
             max_response_tokens=self.max_response_tokens,
             zero_reward_on_non_stop=self.zero_reward_on_non_stop,
             apply_overlong_filtering=self.apply_overlong_filtering,
+            step_wise=self.step_wise,
         )
 
 

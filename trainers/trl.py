@@ -42,6 +42,16 @@ A job that did not complete (`failed`, `timed_out`, `cancelled`) is, by `on_fail
 A completion with no token at all (a job that failed before its first model call) is one padding
 token with mask 0 (TRL reads the last id of every completion).
 
+A trajectory of several segments (a harness edited or summarised its history, so a model call's
+prompt did not extend the sequence before it: `core.schemas.Segment`) cannot be several samples
+here: TRL wants exactly `num_generations` completions per prompt, scores them row by row and
+normalises rewards over each run of `num_generations` rows (`GRPOTrainer._generate` and
+`_generate_and_score_completions`), so an extra row would shift every group after it. Each job
+is therefore its first segment, whose prompt is the one TRL's row stands for, with the job's
+reward and advantage; its later segments are not trained (a warning counts them, and the extra
+field `rollserve_segments` gives each completion's number of segments). veRL's V1 trainer and
+SkyRL's step-wise mode train every segment (`trainers.verl`, `trainers.skyrl`).
+
 The trainer's new weights are not sent to the inference servers: the servers behind rollserve
 must be updated by the training loop itself (drain, load, resume with a `policy_version`); each
 completion's `rollserve_policy_version` says which weights generated it.
@@ -50,12 +60,15 @@ completion's `rollserve_policy_version` says which weights generated it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from api.client import AgentLike, RolloutClient, SamplingLike
 from core.schemas import MAX_SEED, JobStatus, SamplingParams, Trajectory
+
+logger = logging.getLogger(__name__)
 
 TaskBuilder = Callable[[Any], Mapping[str, Any]]
 """TRL's prompt (a string, or a conversation: a list of `{"role", "content"}`) → a rollserve
@@ -67,6 +80,8 @@ REWARD_KEY = "rollserve_reward"
 JOB_KEY = "rollserve_job_id"
 STATUS_KEY = "rollserve_status"
 POLICY_KEY = "rollserve_policy_version"
+SEGMENTS_KEY = "rollserve_segments"
+"""The extra field with each completion's number of segments (1: one sequence, all trained)."""
 ENV_MASK_KEY = "env_mask"
 """TRL's name of the mask of the model's own tokens in a `rollout_func`'s output."""
 
@@ -182,7 +197,8 @@ class Completion:
 
 
 def completion_of(trajectory: Trajectory, pad_id: int, on_failure: OnFailure) -> Completion:
-    """One trajectory as TRL wants it (see the module's docstring for failed jobs)."""
+    """One trajectory as TRL wants it: its first segment (see the module's docstring for
+    failed jobs and for later segments)."""
     record = (trajectory.response_ids, trajectory.loss_mask, trajectory.logprobs)
     if len({len(part) for part in record}) != 1:
         raise ValueError(
@@ -210,6 +226,14 @@ def trl_output(
 ) -> dict[str, list[Any]]:
     """The dict a TRL `rollout_func` returns, from trajectories in TRL's order."""
     rows = [completion_of(t, pad_id, on_failure) for t in trajectories]
+    later = sum(len(t.segments) for t in trajectories)
+    if later:
+        logger.warning(
+            "%d later segment(s) of %d job(s) not trained: TRL takes one completion per "
+            "prompt, so each job is its first segment",
+            later,
+            sum(1 for t in trajectories if t.segments),
+        )
     return {
         "prompt_ids": [r.prompt_ids for r in rows],
         "completion_ids": [r.completion_ids for r in rows],
@@ -219,6 +243,7 @@ def trl_output(
         JOB_KEY: [t.job_id for t in trajectories],
         STATUS_KEY: [str(t.status) for t in trajectories],
         POLICY_KEY: [t.policy_version for t in trajectories],
+        SEGMENTS_KEY: [1 + len(t.segments) for t in trajectories],
     }
 
 
@@ -400,7 +425,7 @@ def rollserve_rollout_func(
 def rollserve_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """TRL reward function: rollserve's reward of each completion, as graded by the task's
     handler in the service (None, "unscorable" to TRL, for a skipped failed job). Logs each
-    completion's job id and status to TRL's completions table."""
+    completion's job id, status and number of segments to TRL's completions table."""
     rewards = kwargs.get(REWARD_KEY)
     if rewards is None:
         raise ValueError(
@@ -411,7 +436,7 @@ def rollserve_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | 
         raise ValueError(f"{len(rewards)} rollserve rewards for {len(completions)} completions")
     log_extra = kwargs.get("log_extra")
     if callable(log_extra):
-        for key in (JOB_KEY, STATUS_KEY):
+        for key in (JOB_KEY, STATUS_KEY, SEGMENTS_KEY):
             if key in kwargs:
                 log_extra(key, list(kwargs[key]))
     return [None if r is None else float(r) for r in rewards]

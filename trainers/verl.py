@@ -11,6 +11,18 @@ the mask is 0), `reward_score` from rollserve's EVAL and `num_turns` counted as 
 tool loop counts them (model turns + environment turns + 1). veRL's `server_manager` is not
 used: rollserve's backends generate.
 
+A trajectory of several segments (a harness edited or summarised its history, so a model call's
+prompt did not extend the sequence before it: `core.schemas.Segment`) is several training
+samples: `run` returns one `AgentLoopOutput` per segment, in order, each with its own prompt,
+response, mask and logprobs and every one with the job's reward. veRL's V1 trainer
+(`trainer.use_v1`, the default since 0.9) takes such a list from an agent loop
+(`AgentLoopWorkerTQ._agent_loop_postprocess`) and, for GRPO, computes the advantage from each
+session's last output and gives it to the session's other outputs
+(`compute_advantage_for_multi_trajectories`): the segments of one job share the job's advantage
+and the job counts once in its group's mean and spread. The legacy V0 worker takes one output
+per sample: with `trainer.use_v1: false` only the first segment is returned (with a warning).
+A one-segment trajectory is one output, as before.
+
 Field names were read from verl-project/verl at commit
 1dda039b9c6311889a9c9a26040677e1254814f9 (2026-08-22),
 `verl/experimental/agent_loop/agent_loop.py` (`AgentLoopBase`, `AgentLoopOutput`,
@@ -39,13 +51,14 @@ import importlib.util
 import logging
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.client import AsyncRolloutClient
-from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
+from core.flatten import sequences
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Segment, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +240,64 @@ def agent_loop_metrics(trajectory: Trajectory) -> dict[str, float | int]:
     }
 
 
+def segments_and_turns(
+    trajectory: Trajectory,
+) -> list[tuple[Segment, Sequence[ModelTurn | EnvTurn]]]:
+    """Every segment of the trajectory (`core.flatten.sequences`, the first included) with the
+    turns it is made of."""
+    parts = sequences(trajectory)
+    ends = [part.first_turn for part in parts[1:]] + [len(trajectory.turns)]
+    return [
+        (part, trajectory.turns[part.first_turn : end])
+        for part, end in zip(parts, ends, strict=True)
+    ]
+
+
+def agent_loop_outputs(
+    trajectory: Trajectory,
+    *,
+    response_length: int | None = None,
+    prompt_length: int | None = None,
+    with_logprobs: bool = True,
+    mask_failed: bool = True,
+) -> list[dict[str, Any]]:
+    """The keyword arguments of veRL's `AgentLoopOutput`, one set per segment of the
+    trajectory, in order (one for a one-segment trajectory).
+
+    Each segment's `response_ids`, `response_mask` (rollserve's loss mask) and
+    `response_logprobs` (0.0 where the mask is 0, as veRL pads them) are cut to
+    `response_length`; a prompt longer than `prompt_length` keeps its last ids, as
+    `AgentLoopBase._cap_text_prompt_length` does. Every segment gets the job's reward. A job
+    that did not complete keeps what it generated but gets all-zero masks and reward 0.0
+    (`mask_failed`), so it adds no gradient and never fails the step. With more than one
+    segment, each output's extra fields also say which segment it is (`rollserve_segment`,
+    `rollserve_segments`, `rollserve_segment_reason`) and carry an empty `reward_extra_info`,
+    which veRL's V1 worker copies from the last output to the others."""
+    parts = segments_and_turns(trajectory)
+    outputs = [
+        _segment_fields(
+            trajectory,
+            part,
+            turns,
+            last=index == len(parts) - 1,
+            response_length=response_length,
+            prompt_length=prompt_length,
+            with_logprobs=with_logprobs,
+            mask_failed=mask_failed,
+        )
+        for index, (part, turns) in enumerate(parts)
+    ]
+    if len(outputs) > 1:
+        for index, (fields, (part, _)) in enumerate(zip(outputs, parts, strict=True)):
+            fields["extra_fields"].update(
+                rollserve_segment=index,
+                rollserve_segments=len(parts),
+                rollserve_segment_reason=part.reason,
+                reward_extra_info={},
+            )
+    return outputs
+
+
 def agent_loop_fields(
     trajectory: Trajectory,
     *,
@@ -235,14 +306,31 @@ def agent_loop_fields(
     with_logprobs: bool = True,
     mask_failed: bool = True,
 ) -> dict[str, Any]:
-    """The keyword arguments of veRL's `AgentLoopOutput` for one rollserve trajectory.
+    """The keyword arguments of veRL's `AgentLoopOutput` for the trajectory's first segment
+    (the whole trajectory when it is one sequence): see `agent_loop_outputs`."""
+    return agent_loop_outputs(
+        trajectory,
+        response_length=response_length,
+        prompt_length=prompt_length,
+        with_logprobs=with_logprobs,
+        mask_failed=mask_failed,
+    )[0]
 
-    `response_ids`, `response_mask` (rollserve's loss mask) and `response_logprobs` (0.0
-    where the mask is 0, as veRL pads them) are cut to `response_length`; a prompt longer than
-    `prompt_length` keeps its last ids, as `AgentLoopBase._cap_text_prompt_length` does.
-    A job that did not complete keeps what it generated but gets an all-zero mask and reward
-    0.0 (`mask_failed`), so it adds no gradient and never fails the step."""
-    prompt_ids = list(trajectory.prompt_ids)
+
+def _segment_fields(
+    trajectory: Trajectory,
+    segment: Segment,
+    turns: Sequence[ModelTurn | EnvTurn],
+    *,
+    last: bool,
+    response_length: int | None,
+    prompt_length: int | None,
+    with_logprobs: bool,
+    mask_failed: bool,
+) -> dict[str, Any]:
+    """One segment as `AgentLoopOutput`'s keyword arguments (`last`: the job's last segment,
+    the one its truncation cut)."""
+    prompt_ids = list(segment.prompt_ids)
     if prompt_length is not None and len(prompt_ids) > prompt_length:
         logger.warning(
             "job %s: prompt of %d ids exceeds rollout.prompt_length=%d; left-truncating",
@@ -251,17 +339,17 @@ def agent_loop_fields(
             prompt_length,
         )
         prompt_ids = prompt_ids[-prompt_length:] if prompt_length > 0 else []
-    response_ids = list(trajectory.response_ids)
-    mask = [int(m) for m in trajectory.loss_mask]
+    response_ids = list(segment.response_ids)
+    mask = [int(m) for m in segment.loss_mask]
     if len(mask) != len(response_ids):
         raise ValueError(
             f"job {trajectory.job_id}: loss_mask has {len(mask)} ids, response {len(response_ids)}"
         )
     logprobs: list[float] | None = None
     if with_logprobs:
-        if len(trajectory.logprobs) != len(response_ids):
+        if len(segment.logprobs) != len(response_ids):
             raise ValueError(f"job {trajectory.job_id}: logprobs are not aligned with the response")
-        logprobs = [0.0 if lp is None else float(lp) for lp in trajectory.logprobs]
+        logprobs = [0.0 if lp is None else float(lp) for lp in segment.logprobs]
     cut = response_length is not None and len(response_ids) > response_length
     if response_length is not None:
         response_ids = response_ids[:response_length]
@@ -272,8 +360,8 @@ def agent_loop_fields(
     if is_failed and mask_failed:
         mask = [0] * len(mask)
         reward = 0.0
-    model_turns = sum(isinstance(t, ModelTurn) for t in trajectory.turns)
-    env_turns = sum(isinstance(t, EnvTurn) for t in trajectory.turns)
+    model_turns = sum(isinstance(t, ModelTurn) for t in turns)
+    env_turns = sum(isinstance(t, EnvTurn) for t in turns)
     return {
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
@@ -288,9 +376,9 @@ def agent_loop_fields(
             "rollserve_job_id": trajectory.job_id,
             "rollserve_status": str(trajectory.status),
             "rollserve_stop_reason": trajectory.stop_reason,
-            "rollserve_truncated": bool(trajectory.truncated or cut),
+            "rollserve_truncated": bool((trajectory.truncated and last) or cut),
             "rollserve_policy_versions": [
-                t.policy_version for t in trajectory.turns if isinstance(t, ModelTurn)
+                t.policy_version for t in turns if isinstance(t, ModelTurn)
             ],
             "rollserve_error": None if trajectory.error is None else trajectory.error.model_dump(),
         },
@@ -407,6 +495,7 @@ class RollserveAgentLoopMixin:
     `multi_turn.max_assistant_turns`), `on_failure` (`mask`: a job that did not complete is
     returned masked with reward 0; `raise`: the step fails)."""
 
+    config: Any
     rollout_config: Any
 
     def __init__(
@@ -456,8 +545,15 @@ class RollserveAgentLoopMixin:
         ) as client:
             return await run_rollout(client, task, sampling, agent, timeout=self.rollserve_timeout)
 
+    def takes_several_outputs(self) -> bool:
+        """Whether the trainer takes a list of outputs from one agent loop: veRL's V1 trainer
+        does (`trainer.use_v1`, true unless the config says otherwise), the legacy one not."""
+        use_v1 = _get(self.config, "trainer", "use_v1")
+        return use_v1 is None or bool(use_v1)
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
-        """veRL's `AgentLoopBase.run`: one dataset row → one `AgentLoopOutput`."""
+        """veRL's `AgentLoopBase.run`: one dataset row → one `AgentLoopOutput`, or a list of
+        them, one per segment, for a trajectory of several segments (module docstring)."""
         trajectory = await self.run_trajectory(sampling_params, **kwargs)
         if failed(trajectory) and self.on_failure == "raise":
             error = trajectory.error
@@ -466,13 +562,24 @@ class RollserveAgentLoopMixin:
                 + (f" in {error.stage}: {error.type}: {error.message}" if error else "")
             )
         response_length, prompt_length, _ = self.rollout_limits()
-        fields = agent_loop_fields(
+        outputs = agent_loop_outputs(
             trajectory,
             response_length=response_length,
             prompt_length=prompt_length,
             with_logprobs=bool(sampling_params.get("logprobs", True)),
         )
-        return output_class()(**fields)
+        output = output_class()
+        if len(outputs) == 1:
+            return output(**outputs[0])
+        if not self.takes_several_outputs():
+            logger.warning(
+                "job %s has %d segments but veRL's legacy trainer (trainer.use_v1=false) takes "
+                "one output per sample: only the first segment is trained",
+                trajectory.job_id,
+                len(outputs),
+            )
+            return output(**outputs[0])
+        return [output(**fields) for fields in outputs]
 
 
 def verl_available() -> bool:
@@ -528,7 +635,9 @@ __all__ = [
     "StandaloneAgentLoopOutput",
     "agent_from_verl",
     "agent_loop_fields",
+    "agent_loop_outputs",
     "run_rollout",
     "sampling_from_verl",
+    "segments_and_turns",
     "task_from_row",
 ]

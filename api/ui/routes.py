@@ -35,7 +35,14 @@ from api.ui.auth import (
     set_csrf_cookie,
 )
 from api.ui.engines import EngineMetrics
-from api.ui.tokens import decode, load_tokenizer, shade, token_slice, tokenizer_source
+from api.ui.tokens import (
+    decode,
+    load_tokenizer,
+    segment_views,
+    shade,
+    token_slice,
+    tokenizer_source,
+)
 from broker.jobstore import JobNotFound
 from core.schemas import STAGES, JobStatus, ModelTurn, Trajectory
 
@@ -321,7 +328,7 @@ def rollout_page(request: Request, job_id: str, svc: Services = Depends(services
     except JobNotFound:
         return not_found(request, f"job {job_id}")
     bars = _waterfall(trajectory)
-    generated = sum(1 for m in trajectory.loss_mask if m == 1)
+    segments = segment_views(trajectory)
     return render(
         request,
         "rollout.html",
@@ -329,8 +336,9 @@ def rollout_page(request: Request, job_id: str, svc: Services = Depends(services
             "t": trajectory,
             "bars": bars,
             "wall": max(1e-9, sum(b[2] for b in bars)),
-            "tokens_total": len(trajectory.prompt_ids) + len(trajectory.response_ids),
-            "generated": generated,
+            "segments": segments,
+            "tokens_total": sum(s.total for s in segments),
+            "generated": sum(s.generated for s in segments),
             "decoded": _tokenizer(svc, trajectory) is not None,
             "blocks": views.json_blocks(trajectory.eval),
             "outcome": views.json_blocks(trajectory.outcome),
@@ -367,6 +375,7 @@ def turns_fragment(
     except JobNotFound:
         return not_found(request, f"job {job_id}")
     turns = list(enumerate(trajectory.turns))[start : start + TURNS_PER_CHUNK]
+    segments = segment_views(trajectory)
     return render(
         request,
         "turns.html",
@@ -374,6 +383,8 @@ def turns_fragment(
             "t": trajectory,
             "turns": turns,
             "changes": version_changes(trajectory),
+            # Where each segment begins, marked when there is more than one.
+            "starts": {s.first_turn: s for s in segments} if len(segments) > 1 else {},
             "next": start + TURNS_PER_CHUNK
             if start + TURNS_PER_CHUNK < len(trajectory.turns)
             else None,
@@ -386,22 +397,27 @@ def tokens_fragment(
     request: Request,
     job_id: str,
     start: int = Query(0, ge=0, le=100_000_000),
+    segment: int = Query(1, ge=1, le=1_000_000),
     svc: Services = Depends(services),
 ) -> HTMLResponse:
     try:
         trajectory = trajectories.get(svc, _job_id(job_id))
     except JobNotFound:
         return not_found(request, f"job {job_id}")
-    tokens = token_slice(trajectory, start, TOKENS_PER_CHUNK)
+    segments = segment_views(trajectory)
+    if segment > len(segments):
+        return not_found(request, f"segment {segment} of job {job_id}")
+    tokens = token_slice(trajectory, start, TOKENS_PER_CHUNK, segment)
     tokenizer = _tokenizer(svc, trajectory)
     if tokenizer is not None:
         decode(tokens, tokenizer)
-    total = len(trajectory.prompt_ids) + len(trajectory.response_ids)
+    total = segments[segment - 1].total
     return render(
         request,
         "tokens.html",
         {
             "job_id": job_id,
+            "segment": segment,
             "tokens": tokens,
             "next": start + TOKENS_PER_CHUNK if start + TOKENS_PER_CHUNK < total else None,
         },

@@ -1,7 +1,8 @@
-"""The token record of a trajectory as the viewer shows it: every id of `prompt_ids` and
-`response_ids`, whether the loss counts it (generated) or not (prompt, template, observation),
-its logprob, the policy version of the turn it belongs to and, when the job's tokenizer can
-be loaded in the gateway, its text."""
+"""The token record of a trajectory as the viewer shows it, segment by segment
+(`core.flatten.sequences`): every id of a segment's `prompt_ids` and `response_ids`, whether
+the loss counts it (generated) or not (prompt, template, observation), its logprob, the policy
+version of the turn it belongs to and, when the job's tokenizer can be loaded in the gateway,
+its text."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from core.schemas import Backend, ModelTurn, Trajectory
+from core.flatten import sequences
+from core.schemas import SEGMENT_REASONS, Backend, EnvTurn, ModelTurn, Segment, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +31,84 @@ class Token:
     text: str | None = None
 
 
-def turn_of_positions(trajectory: Trajectory) -> list[tuple[int | None, int | None]] | None:
-    """For each id of `prompt_ids + response_ids`: (turn index, policy version), from the
-    turns; None when the turns do not add up to the flattened record."""
+@dataclass
+class SegmentView:
+    """One segment as the viewer heads it."""
+
+    number: int
+    """1 for the trajectory's first segment."""
+    reason: str
+    why: str
+    """The reason in words (`core.schemas.SEGMENT_REASONS`)."""
+    first_turn: int
+    prompt: int
+    response: int
+    generated: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.response
+
+
+def segments_and_turns(trajectory: Trajectory) -> list[tuple[Segment, list[ModelTurn | EnvTurn]]]:
+    """Every segment of the trajectory, the first included, with the turns it is made of."""
+    parts = sequences(trajectory)
+    ends = [part.first_turn for part in parts[1:]] + [len(trajectory.turns)]
+    return [
+        (part, list(trajectory.turns[part.first_turn : end]))
+        for part, end in zip(parts, ends, strict=True)
+    ]
+
+
+def segment_views(trajectory: Trajectory) -> list[SegmentView]:
+    """The trajectory's segments, in order, as the viewer heads them."""
+    return [
+        SegmentView(
+            number=number,
+            reason=part.reason,
+            why=SEGMENT_REASONS.get(part.reason, part.reason),
+            first_turn=part.first_turn,
+            prompt=len(part.prompt_ids),
+            response=len(part.response_ids),
+            generated=sum(1 for m in part.loss_mask if m == 1),
+        )
+        for number, part in enumerate(sequences(trajectory), start=1)
+    ]
+
+
+def turn_of_positions(
+    trajectory: Trajectory, segment: int = 1
+) -> list[tuple[int | None, int | None]] | None:
+    """For each id of the segment's `prompt_ids + response_ids` (`segment` 1: the first):
+    (turn index, policy version), from its turns; None when they do not add up to its record.
+    Only the segment's first model call brings its prompt: a later call's `prompt_ids` are
+    the observations before it, already counted (`core.flatten`)."""
+    part, turns = segments_and_turns(trajectory)[segment - 1]
     spans: list[tuple[int | None, int | None]] = []
-    for index, turn in enumerate(trajectory.turns):
+    for offset, turn in enumerate(turns):
+        index = part.first_turn + offset
         if isinstance(turn, ModelTurn):
-            spans += [(index, turn.policy_version)] * (len(turn.prompt_ids) + len(turn.output_ids))
+            prompt = len(turn.prompt_ids) if offset == 0 else 0
+            spans += [(index, turn.policy_version)] * (prompt + len(turn.output_ids))
         else:
             spans += [(index, None)] * len(turn.observation_ids)
-    if len(spans) != len(trajectory.prompt_ids) + len(trajectory.response_ids):
+    if len(spans) != len(part.prompt_ids) + len(part.response_ids):
         return None
     return spans
 
 
-def token_slice(trajectory: Trajectory, start: int, count: int) -> list[Token]:
-    """Tokens `start` to `start + count` of the record (prompt first, then the response)."""
-    prompt = len(trajectory.prompt_ids)
-    ids = trajectory.prompt_ids + trajectory.response_ids
-    spans = turn_of_positions(trajectory)
+def token_slice(trajectory: Trajectory, start: int, count: int, segment: int = 1) -> list[Token]:
+    """Tokens `start` to `start + count` of a segment's record (`segment` 1: the first; its
+    prompt first, then its response)."""
+    part = sequences(trajectory)[segment - 1]
+    prompt = len(part.prompt_ids)
+    ids = part.prompt_ids + part.response_ids
+    spans = turn_of_positions(trajectory, segment)
     tokens = []
     for index in range(max(0, start), min(len(ids), start + count)):
         r = index - prompt
-        generated = r >= 0 and r < len(trajectory.loss_mask) and trajectory.loss_mask[r] == 1
-        logprob = trajectory.logprobs[r] if 0 <= r < len(trajectory.logprobs) else None
+        generated = r >= 0 and r < len(part.loss_mask) and part.loss_mask[r] == 1
+        logprob = part.logprobs[r] if 0 <= r < len(part.logprobs) else None
         turn, version = spans[index] if spans else (None, trajectory.policy_version)
         tokens.append(Token(index, ids[index], generated, logprob, version, turn))
     return tokens

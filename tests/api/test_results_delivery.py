@@ -103,3 +103,36 @@ def test_streamed_results_are_delivered_and_stream_again_from_the_results_store(
     for job_id in jobs:
         store.r.delete(store.job_key(job_id))  # the stubs expired
     assert stream(http, batch_id) == first
+
+
+def test_a_trajectory_of_two_segments_streams_with_its_segments(
+    http: httpx.Client, with_backend: None, store: JobStore
+) -> None:
+    batch_id, (job_id,) = submit_batch(http, 1)
+    store.transition(job_id, JobStatus.run)
+    builder = TrajectoryBuilder([1, 2, 3])
+    trajectory = store.trajectory(job_id)
+    builder.add_model_turn([10, 11], [-0.5, -0.25], "t0", "stop", 0.1, policy_version=1)
+    store.save_partial(job_id, builder.fill(trajectory))
+    builder.start_segment([1, 2, 3, 40], "history_changed")  # the harness edited its history
+    builder.add_model_turn([12], [-1.0], "t1", "stop", 0.1, policy_version=2)
+    builder.add_env_turn([30], "r1")
+    builder.add_model_turn([13], [-0.125], "t2", "stop", 0.1, policy_version=2)
+    store.save_partial(job_id, builder.fill(trajectory))
+    trajectory.reward = 1.0
+    assert store.finish(job_id, JobStatus.completed, trajectory)
+    (line,) = stream(http, batch_id)
+    assert (line["prompt_ids"], line["response_ids"]) == ([1, 2, 3], [10, 11])
+    assert line["loss_mask"] == [1, 1] and line["logprobs"] == [-0.5, -0.25]
+    assert line["segments"] == [
+        {
+            "reason": "history_changed",
+            "first_turn": 1,
+            "prompt_ids": [1, 2, 3, 40],
+            "response_ids": [12, 30, 13],
+            "loss_mask": [1, 0, 1],
+            "logprobs": [-1.0, None, -0.125],
+            "policy_versions": [2, 2],
+        }
+    ]
+    assert line["turns"][1]["segment_start"] == "history_changed"

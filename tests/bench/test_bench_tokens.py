@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from bench import tokens as bt
-from core.schemas import ModelTurn
+from core.schemas import EnvTurn, ModelTurn, Segment
 
 if TYPE_CHECKING:
     from tests.support.devserver import DevBackend
@@ -127,3 +127,56 @@ def test_alignment_counts_only_what_has_no_counterpart() -> None:
     assert (matched, len(inserted)) == ([True, False, False, True], 1)
     assert bt.align([1, 3], [1, 2, 3]) == ([True, True], [1])
     assert bt.align([1, 2, 3], [1, 3]) == ([True, False, True], [])
+
+
+def two_segment_record() -> bt.Recorded:
+    """Two calls in one sequence, then a call whose prompt [1, 2, 3, 6] does not extend it
+    (segment 2); the record exactly what was generated."""
+    turns: list[ModelTurn | EnvTurn] = [
+        ModelTurn(prompt_ids=[1, 2, 3], output_ids=[7, 8], logprobs=[-0.5, -0.25],
+                  finish_reason="stop", text=""),
+        EnvTurn(observation_ids=[5], text=""),
+        ModelTurn(prompt_ids=[5], output_ids=[9], logprobs=[-1.0], finish_reason="stop", text=""),
+        ModelTurn(prompt_ids=[1, 2, 3, 6], output_ids=[10], logprobs=[-2.0],
+                  finish_reason="stop", text="", segment_start="history_changed"),
+    ]  # fmt: skip
+    later = Segment(
+        reason="history_changed", first_turn=3, prompt_ids=[1, 2, 3, 6], response_ids=[10],
+        loss_mask=[1], logprobs=[-2.0],
+    )  # fmt: skip
+    return bt.Recorded(
+        messages=[{"role": "user", "content": "hi"}],
+        tools=None,
+        prompt_ids=[1, 2, 3],
+        turns=turns,
+        response_ids=[7, 8, 5, 9],
+        loss_mask=[1, 1, 0, 1],
+        replies=[[{"role": "user", "content": "more"}]],
+        closing=[4],
+        calls=[
+            bt.Call([1, 2, 3], [7, 8], [-0.5, -0.25]),
+            bt.Call([1, 2, 3, 7, 8, 5], [9], [-1.0]),
+            bt.Call([1, 2, 3, 6], [10], [-2.0]),
+        ],
+        stop_reason="answer",
+        segments=[later],
+    )
+
+
+def test_a_record_of_two_segments_is_checked_segment_by_segment() -> None:
+    assert bt.check_record(two_segment_record()) == bt.RecordCheck(False, 0)
+    # The call that began segment 2 was sent its own prompt, not the sequence before it.
+    continued = two_segment_record()
+    continued.calls[2].prompt_ids = [1, 2, 3, 7, 8, 5, 9, 6]
+    assert bt.check_record(continued).differs
+    flattened = two_segment_record()
+    flattened.segments[0].response_ids = [11]  # segment 2's arrays lost the id generated
+    assert bt.check_record(flattened).differs
+    returned = two_segment_record()
+    returned.calls[2].output_ids = [11]  # the engine returned 11; segment 2's turn holds 10
+    assert bt.check_record(returned) == bt.RecordCheck(True, 1)
+
+
+def test_the_retokenizing_baseline_refuses_a_record_of_two_segments(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match="2 segments"):
+        bt.retokenize_drift(tokenizer, two_segment_record())

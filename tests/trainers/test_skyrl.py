@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from core.schemas import EnvTurn, JobStatus, ModelTurn, StageError, Timing, Trajectory
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Segment, StageError, Timing, Trajectory
 from deploy.stack import Stack
 from tests.support.stack import start_stack
 from trainers import skyrl as adapter
@@ -106,6 +106,24 @@ def validate(num_prompts: int, output: dict[str, Any]) -> None:
     assert all(not isinstance(r, list) for r in output["rewards"])
 
 
+def validate_step_wise(output: dict[str, Any]) -> None:
+    """The checks of SkyRL's `validate_generator_output` with `step_wise=True` (any number of
+    rows; `_validate_step_wise_fields`), restated."""
+    responses = output["response_ids"]
+    assert len(responses) == len(output["prompt_token_ids"]) > 0
+    for key in ("loss_masks", "rewards", "rollout_logprobs", "stop_reasons", "is_last_step"):
+        assert len(output[key]) == len(responses), key
+    last, ids = output["is_last_step"], [str(t) for t in output["trajectory_ids"]]
+    assert len(ids) == len(responses) and last[-1] is True
+    seen: set[str] = set()
+    for i, tid in enumerate(ids):
+        if i and tid != ids[i - 1]:
+            assert tid not in seen, "the rows of one trajectory must be adjacent"
+        seen.add(tid)
+        if i + 1 < len(ids):
+            assert last[i] is (ids[i + 1] != tid), i
+
+
 def trajectory(**overrides: Any) -> Trajectory:
     """A finished two-call episode: prompt [1, 2, 3]; the model says [10, 11], the environment
     answers [20, 21, 22], the model says [12, 13]."""
@@ -144,6 +162,36 @@ def trajectory(**overrides: Any) -> Trajectory:
     }
     fields.update(overrides)
     return Trajectory(**fields)
+
+
+def two_segments(**overrides: Any) -> Trajectory:
+    """`trajectory()`, then a harness that edited its history: the next call's prompt is
+    [1, 2, 3, 30, 31] (a new segment); the model says [14, 15], the environment [23], the
+    model [16]."""
+    base = trajectory()
+    later = [
+        ModelTurn(
+            prompt_ids=[1, 2, 3, 30, 31],
+            output_ids=[14, 15],
+            logprobs=[-0.5, -0.6],
+            finish_reason="stop",
+            text="c",
+            segment_start="history_changed",
+        ),
+        EnvTurn(observation_ids=[23], text="obs 2"),
+        ModelTurn(
+            prompt_ids=[23], output_ids=[16], logprobs=[-0.7], finish_reason="stop", text="d"
+        ),
+    ]
+    segment = Segment(
+        reason="history_changed",
+        first_turn=3,
+        prompt_ids=[1, 2, 3, 30, 31],
+        response_ids=[14, 15, 23, 16],
+        loss_mask=[1, 1, 0, 1],
+        logprobs=[-0.5, -0.6, None, -0.7],
+    )
+    return trajectory(**{"turns": [*base.turns, *later], "segments": [segment], **overrides})
 
 
 def failed_trajectory(**overrides: Any) -> Trajectory:
@@ -250,6 +298,59 @@ def test_long_responses_are_cut_and_filters_apply_as_skyrls_options() -> None:
         [trajectory(truncated=True)], apply_overlong_filtering=True, zero_reward_on_non_stop=True
     )
     assert filtered["loss_masks"] == [[0] * 7] and filtered["rewards"] == [0.0]
+
+
+def test_step_wise_each_segment_is_a_row_with_its_jobs_id_and_reward() -> None:
+    ids = [TrajectoryID("0", 0), TrajectoryID("0", 1)]
+    second = trajectory(job_id="job-2", reward=0.0)
+    out = generator_output([two_segments(), second], trajectory_ids=ids, step_wise=True)
+    validate_step_wise(out)
+    assert out["prompt_token_ids"] == [[1, 2, 3], [1, 2, 3, 30, 31], [1, 2, 3]]
+    assert out["response_ids"][:2] == [[10, 11, 20, 21, 22, 12, 13], [14, 15, 23, 16]]
+    assert out["loss_masks"][1] == [1, 1, 0, 1]
+    assert out["rollout_logprobs"][1] == [-0.5, -0.6, 0.0, -0.7]
+    assert out["rewards"] == [1.0, 1.0, 0.0]
+    assert out["is_last_step"] == [False, True, True]
+    assert out["trajectory_ids"] == [ids[0], ids[0], ids[1]]
+    assert out["trajectory_generation_times"] == [2.5, 2.5, 2.5]
+    assert [m.get("rollserve_segment_reason") for m in out["env_metrics"]] == [
+        "start",
+        "history_changed",
+        None,
+    ]
+    assert out["rollout_metrics"]["rollserve/mean_reward"] == 0.5  # per job, not per row
+    assert out["rollout_metrics"]["rollserve/later_segments"] == 1
+
+
+def test_step_wise_a_one_segment_trajectory_is_one_last_step() -> None:
+    ids = [TrajectoryID("0", 0)]
+    out = generator_output([trajectory()], trajectory_ids=ids, step_wise=True)
+    validate_step_wise(out)
+    plain = generator_output([trajectory()], trajectory_ids=ids)
+    assert out["is_last_step"] == [True] and plain["is_last_step"] is None
+    assert {k: v for k, v in out.items() if k != "is_last_step"} == {
+        k: v for k, v in plain.items() if k != "is_last_step"
+    }
+    with pytest.raises(ValueError, match="trajectory_ids"):
+        generator_output([trajectory()], step_wise=True)
+
+
+def test_outside_step_wise_mode_a_job_is_its_first_segment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        out = generator_output([two_segments()])
+    validate(1, out)
+    assert out["prompt_token_ids"] == [[1, 2, 3]]
+    assert out["response_ids"] == [[10, 11, 20, 21, 22, 12, 13]]
+    assert out["rewards"] == [1.0]
+    assert "1 later segment(s) left out" in caplog.text
+
+
+def test_a_cut_episode_ends_its_last_segment_with_length() -> None:
+    cut = two_segments(truncated=True)
+    out = generator_output([cut], trajectory_ids=[TrajectoryID("0", 0)], step_wise=True)
+    assert out["stop_reasons"] == ["stop", "length"]
 
 
 def test_a_misaligned_trajectory_is_refused() -> None:

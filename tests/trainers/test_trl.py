@@ -9,6 +9,7 @@ math handler appends), and the rewards it logged. The other tests cover the adap
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import Any
 import pytest
 
 from api.client import RolloutClient
-from core.schemas import BatchAccepted, JobStatus, StageError, Trajectory
+from core.schemas import BatchAccepted, JobStatus, Segment, StageError, Trajectory
 from deploy.stack import Stack
 from tests.support.examples import read_jsonl
 from tests.support.stack import start_stack
 from trainers.trl import (
     ENV_MASK_KEY,
     REWARD_KEY,
+    SEGMENTS_KEY,
     Group,
     RolloutFailed,
     completion_of,
@@ -100,6 +102,27 @@ def test_a_completed_job_is_its_record() -> None:
     assert out["logprobs"] == [[-0.5, -0.25, 0.0, 0.0, -1.0]]
     assert out[REWARD_KEY] == [1.0]
     assert out["rollserve_job_id"] == ["j1"] and out["rollserve_status"] == ["completed"]
+    assert out[SEGMENTS_KEY] == [1]
+
+
+def test_a_job_of_several_segments_is_its_first_segment(caplog: pytest.LogCaptureFixture) -> None:
+    """TRL takes one completion per prompt: the later segments are counted, not trained."""
+    later = Segment(
+        reason="history_changed",
+        first_turn=3,
+        prompt_ids=[1, 2, 3, 30],
+        response_ids=[14, 15],
+        loss_mask=[1, 1],
+        logprobs=[-0.5, -0.6],
+    )
+    with caplog.at_level(logging.WARNING):
+        out = trl_output([trajectory(segments=[later]), trajectory(job_id="j2")], PAD)
+    assert out["prompt_ids"] == [[1, 2, 3], [1, 2, 3]]
+    assert out["completion_ids"][0] == [10, 11, 20, 21, 12]
+    assert out[ENV_MASK_KEY][0] == [1, 1, 0, 0, 1]
+    assert out[REWARD_KEY] == [1.0, 1.0]
+    assert out[SEGMENTS_KEY] == [2, 1]
+    assert "1 later segment(s) of 1 job(s) not trained" in caplog.text
 
 
 def test_failed_jobs_by_policy() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from core.schemas import EnvTurn, JobStatus, ModelTurn, StageError, Timing, Trajectory
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Segment, StageError, Timing, Trajectory
 from deploy.stack import Stack
 from tests.support.stack import start_stack
 from trainers import verl as adapter
@@ -35,6 +35,7 @@ from trainers.verl import (
     StandaloneAgentLoopOutput,
     agent_from_verl,
     agent_loop_fields,
+    agent_loop_outputs,
     sampling_from_verl,
     task_from_row,
 )
@@ -106,6 +107,43 @@ def trajectory(**overrides: Any) -> Trajectory:
     }
     fields.update(overrides)
     return Trajectory(**fields)
+
+
+def two_segments(**overrides: Any) -> Trajectory:
+    """`trajectory()`, then a harness that edited its history: the next call's prompt is
+    [1, 2, 3, 30, 31] (a new segment); the model says [14, 15], the environment [23], the
+    model [16]."""
+    base = trajectory()
+    later = [
+        ModelTurn(
+            prompt_ids=[1, 2, 3, 30, 31],
+            output_ids=[14, 15],
+            logprobs=[-0.5, -0.6],
+            finish_reason="stop",
+            text="c",
+            policy_version=4,
+            segment_start="history_changed",
+        ),
+        EnvTurn(observation_ids=[23], text="obs 2"),
+        ModelTurn(
+            prompt_ids=[23],
+            output_ids=[16],
+            logprobs=[-0.7],
+            finish_reason="stop",
+            text="d",
+            policy_version=5,
+        ),
+    ]
+    segment = Segment(
+        reason="history_changed",
+        first_turn=3,
+        prompt_ids=[1, 2, 3, 30, 31],
+        response_ids=[14, 15, 23, 16],
+        loss_mask=[1, 1, 0, 1],
+        logprobs=[-0.5, -0.6, None, -0.7],
+        policy_versions=[4, 5],
+    )
+    return trajectory(**{"turns": [*base.turns, *later], "segments": [segment], **overrides})
 
 
 # ----------------------------------------------------------------------------- field names
@@ -196,6 +234,43 @@ def test_a_job_that_did_not_complete_is_masked_with_reward_zero() -> None:
     assert fields["num_turns"] == 1
 
 
+def test_each_segment_is_an_output_of_its_own_with_the_jobs_reward() -> None:
+    first, second = agent_loop_outputs(two_segments())
+    assert first["prompt_ids"] == [1, 2, 3]
+    assert first["response_ids"] == [10, 11, 20, 21, 22, 12, 13]
+    assert first["response_mask"] == [1, 1, 0, 0, 0, 1, 1]
+    assert second["prompt_ids"] == [1, 2, 3, 30, 31]
+    assert second["response_ids"] == [14, 15, 23, 16]
+    assert second["response_mask"] == [1, 1, 0, 1]
+    assert second["response_logprobs"] == [-0.5, -0.6, 0.0, -0.7]
+    assert first["reward_score"] == second["reward_score"] == 1.0
+    assert (first["num_turns"], second["num_turns"]) == (4, 4)  # each counts its own turns
+    extras = [first["extra_fields"], second["extra_fields"]]
+    assert [e["rollserve_segment"] for e in extras] == [0, 1]
+    assert [e["rollserve_segments"] for e in extras] == [2, 2]
+    assert [e["rollserve_segment_reason"] for e in extras] == ["start", "history_changed"]
+    assert [e["rollserve_policy_versions"] for e in extras] == [[3, 4], [4, 5]]
+    # veRL's V1 worker copies the last output's reward_extra_info to the others
+    assert all(e["reward_extra_info"] == {} for e in extras)
+
+
+def test_a_one_segment_trajectory_is_one_output_as_before() -> None:
+    (only,) = agent_loop_outputs(trajectory())
+    assert only == agent_loop_fields(trajectory())
+    assert not {"rollserve_segment", "reward_extra_info"} & set(only["extra_fields"])
+
+
+def test_a_job_that_did_not_complete_masks_every_segment() -> None:
+    outputs = agent_loop_outputs(two_segments(status=JobStatus.failed, reward=None))
+    assert [o["response_mask"] for o in outputs] == [[0] * 7, [0] * 4]
+    assert [o["reward_score"] for o in outputs] == [0.0, 0.0]
+
+
+def test_a_cut_episode_marks_its_last_segment_truncated() -> None:
+    outputs = agent_loop_outputs(two_segments(truncated=True))
+    assert [o["extra_fields"]["rollserve_truncated"] for o in outputs] == [False, True]
+
+
 def test_a_misaligned_trajectory_is_refused() -> None:
     with pytest.raises(ValueError, match="loss_mask"):
         agent_loop_fields(trajectory(loss_mask=[1, 1]))
@@ -282,6 +357,38 @@ def test_without_verl_the_class_stands_on_the_standalone_base() -> None:
     assert adapter.output_class() is StandaloneAgentLoopOutput
     with pytest.raises(ValueError, match="on_failure"):
         cls(on_failure="ignore")
+
+
+def loop_returning(found: Trajectory, trainer: dict[str, Any]) -> Any:
+    """A standalone agent loop whose rollouts all end as `found`, under the `trainer` config."""
+    if adapter.verl_available():
+        pytest.skip("veRL is installed here: see test_the_agent_loop_runs_over_verls_own_base")
+    rollout = {"prompt_length": 512, "response_length": 256, "multi_turn": {}}
+    config = SimpleNamespace(config={"actor_rollout_ref": {"rollout": rollout}, "trainer": trainer})
+    loop = adapter.RollserveAgentLoop(trainer_config=config, rollserve_url="http://127.0.0.1:9")
+
+    async def run_trajectory(sampling_params: Any, **kwargs: Any) -> Trajectory:
+        return found
+
+    loop.run_trajectory = run_trajectory
+    return loop
+
+
+async def test_verls_v1_trainer_gets_one_output_per_segment() -> None:
+    outputs = await loop_returning(two_segments(), {"use_v1": True}).run(VERL_SAMPLING)
+    assert [o.response_ids for o in outputs] == [[10, 11, 20, 21, 22, 12, 13], [14, 15, 23, 16]]
+    assert all(isinstance(o, StandaloneAgentLoopOutput) for o in outputs)
+    one = await loop_returning(trajectory(), {"use_v1": True}).run(VERL_SAMPLING)
+    assert isinstance(one, StandaloneAgentLoopOutput)  # not a list of one
+
+
+async def test_verls_legacy_trainer_gets_the_first_segment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        out = await loop_returning(two_segments(), {"use_v1": False}).run(VERL_SAMPLING)
+    assert out.response_ids == [10, 11, 20, 21, 22, 12, 13]
+    assert "only the first segment is trained" in caplog.text
 
 
 # ----------------------------------------------------------------------------- end to end

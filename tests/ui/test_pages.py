@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from broker.jobstore import JobSpec
-from core.schemas import JobStatus
+from core.schemas import SEGMENT_REASONS, JobStatus
 
 MakeBatch = Callable[[int, int], tuple[str, list[JobSpec]]]
 
@@ -214,3 +215,75 @@ def test_viewer_decodes_tokens_with_the_backends_local_tokenizer(
     tokens = app_client.get(f"/ui/rollouts/{specs[0].job_id}/tokens")
     assert ">hello<" in tokens.text and "> world<" in tokens.text
     assert 'title="#1 id ' in tokens.text and "&#34; world&#34;" in tokens.text  # quoted, escaped
+
+
+def two_segments(spec: JobSpec) -> Any:
+    """A trajectory whose harness edited its history after two model calls: the third call's
+    prompt (5 ids) does not extend the sequence, so it begins segment 2; the arrays are
+    derived from the turns as the job store derives them."""
+    from core.flatten import fill_flat
+    from tests.ui.conftest import trajectory_of
+
+    def model(prompt: list[int], output: list[int], version: int, **more: Any) -> dict[str, Any]:
+        return {
+            "type": "model", "prompt_ids": prompt, "output_ids": output,
+            "logprobs": [-0.5] * len(output), "finish_reason": "stop", "text": f"said {output}",
+            "policy_version": version, **more,
+        }  # fmt: skip
+
+    turns = [
+        model([11, 12, 13], [14, 15], 1),
+        {"type": "env", "observation_ids": [16], "text": "observation text"},
+        model([16], [17, 18], 2),  # a later call's prompt: the observation before it
+        model([11, 12, 13, 30, 31], [40, 41], 2, segment_start="history_changed"),
+        {"type": "env", "observation_ids": [42], "text": "second observation"},
+        model([42], [43], 3),
+    ]
+    return fill_flat(trajectory_of(spec, 1.0, turns=turns))
+
+
+def test_viewer_shows_where_each_segment_begins_and_why(
+    app_client: TestClient, make_batch: MakeBatch, store: Any
+) -> None:
+    _, specs = make_batch(1, 1)
+    store.finish(specs[0].job_id, JobStatus.completed, two_segments(specs[0]))
+    page = app_client.get(f"/ui/rollouts/{specs[0].job_id}")
+    assert page.status_code == 200
+    assert 'id="segment-1"' in page.text and 'id="segment-2"' in page.text
+    assert "from turn #3" in page.text
+    assert html.escape(SEGMENT_REASONS["history_changed"]) in page.text
+    assert 'id="generated-count">7<' in page.text  # 4 in the first segment, 3 in the second
+    assert f"/ui/rollouts/{specs[0].job_id}/tokens?segment=2&amp;start=0" in page.text
+    turns = app_client.get(f"/ui/rollouts/{specs[0].job_id}/turns")
+    marker = turns.text.index('id="segment-start-2"')
+    assert turns.text.index('id="turn-2"') < marker < turns.text.index('id="turn-3"')
+    assert html.escape(SEGMENT_REASONS["history_changed"]) in turns.text
+
+
+def test_viewer_shows_each_segments_own_tokens(
+    app_client: TestClient, make_batch: MakeBatch, store: Any
+) -> None:
+    _, specs = make_batch(1, 1)
+    store.finish(specs[0].job_id, JobStatus.completed, two_segments(specs[0]))
+    first = app_client.get(f"/ui/rollouts/{specs[0].job_id}/tokens")
+    assert first.text.count('class="tok gen') == 4
+    assert first.text.count('class="tok obs') == 4  # 3 prompt ids and 1 observation id
+    assert re.findall(r"tok gen (pv\d)", first.text) == ["pv1", "pv1", "pv2", "pv2"]
+    second = app_client.get(f"/ui/rollouts/{specs[0].job_id}/tokens", params={"segment": 2})
+    assert second.text.count('class="tok gen') == 3
+    assert second.text.count('class="tok obs') == 6  # its own prompt of 5 ids, 1 observation
+    assert re.findall(r"tok gen (pv\d)", second.text) == ["pv2", "pv2", "pv3"]
+    assert "turn 3" in second.text and "turn 5" in second.text
+    beyond = app_client.get(f"/ui/rollouts/{specs[0].job_id}/tokens", params={"segment": 3})
+    assert beyond.status_code == 404
+
+
+def test_a_one_segment_trajectory_has_no_segment_markers(
+    app_client: TestClient, make_batch: MakeBatch, finish: Callable[..., None]
+) -> None:
+    _, specs = make_batch(1, 1)
+    finish(specs[0], 1.0)
+    page = app_client.get(f"/ui/rollouts/{specs[0].job_id}")
+    turns = app_client.get(f"/ui/rollouts/{specs[0].job_id}/turns")
+    assert 'id="segment-' not in page.text and "segment-start" not in turns.text
+    assert 'id="tokens"' in page.text and "tokens?start=0" in page.text

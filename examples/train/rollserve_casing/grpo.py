@@ -10,7 +10,9 @@ the loss mask's tokens; optionally plus `kl` times a k3 estimate of KL to the st
 By default the objective is decoupled PPO (AReaL's): the clip is taken against the trainer's
 policy as the step began, and the service's logprobs enter as a capped importance weight.
 After the step the new weights are saved and `update_weights` switches every backend to them
-(drain, load, resume with `policy_version` = the step count).
+(drain, load, resume with `policy_version` = the step count). A trajectory of several segments
+(`core.flatten.sequences`) is one sample per segment, each with its job's advantage: a job counts
+once in its group's normalisation.
 
 `mode="async"` overlaps rollout and training, one step off-policy (as AReaL and slime do):
 batch k+1 is submitted before the trainer works on batch k, and rolls out while it trains;
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from api.client import RolloutClient
-from core.schemas import BatchAccepted, JobStatus, Trajectory
+from core.flatten import sequences
+from core.schemas import BatchAccepted, JobStatus, Segment, Trajectory
 from rollserve_casing.policy import token_logprobs
 
 
@@ -135,6 +138,17 @@ def advantages(trajectories: list[Trajectory]) -> list[float]:
     return out
 
 
+def samples(trajectories: list[Trajectory]) -> list[tuple[Segment, float]]:
+    """Every segment of the trajectories with a response, each with its job's advantage
+    (normalised over the jobs of its group, each job once)."""
+    return [
+        (part, advantage)
+        for traj, advantage in zip(trajectories, advantages(trajectories), strict=True)
+        for part in sequences(traj)
+        if part.response_ids
+    ]
+
+
 class Trainer:
     """The policy being trained, its optimizer and the reference for the KL term."""
 
@@ -159,31 +173,32 @@ class Trainer:
     def step(self, trajectories: list[Trajectory]) -> float:
         """`ppo_epochs` optimizer updates on the batch (the policy's version moves on by
         one); returns the largest |ratio - 1| of the first (0 when exactly on-policy)."""
-        used = [t for t in trajectories if t.status is JobStatus.completed and t.response_ids]
+        completed = [t for t in trajectories if t.status is JobStatus.completed]
+        used = samples([t for t in completed if any(p.response_ids for p in sequences(t))])
         if not used:
             return 0.0
         proximal = None
         if self.cfg.decoupled:
             with self.torch.no_grad():
-                rows = [(t.prompt_ids, t.response_ids) for t in used]
+                rows = [(part.prompt_ids, part.response_ids) for part, _ in used]
                 proximal, _ = token_logprobs(self.model, rows, self.pad)
         deviations = [self._update(used, proximal) for _ in range(self.cfg.ppo_epochs)]
         self.version += 1
         return deviations[0]
 
-    def _update(self, used: list[Trajectory], proximal: Any = None) -> float:
+    def _update(self, used: list[tuple[Segment, float]], proximal: Any = None) -> float:
         torch = self.torch
-        rows = [(t.prompt_ids, t.response_ids) for t in used]
+        rows = [(part.prompt_ids, part.response_ids) for part, _ in used]
         logp, pad_mask = token_logprobs(self.model, rows, self.pad)
         span = logp.shape[1]
         behaviour = torch.zeros_like(logp)
         mask = torch.zeros_like(logp)
-        for i, t in enumerate(used):
-            n = len(t.response_ids)
-            behaviour[i, :n] = torch.tensor([lp or 0.0 for lp in t.logprobs[:n]])
-            mask[i, :n] = torch.tensor(t.loss_mask[:n], dtype=torch.float32)
+        for i, (part, _) in enumerate(used):
+            n = len(part.response_ids)
+            behaviour[i, :n] = torch.tensor([lp or 0.0 for lp in part.logprobs[:n]])
+            mask[i, :n] = torch.tensor(part.loss_mask[:n], dtype=torch.float32)
         mask = mask * pad_mask
-        adv = torch.tensor(advantages(used)).unsqueeze(1).expand(-1, span)
+        adv = torch.tensor([a for _, a in used]).unsqueeze(1).expand(-1, span)
         deviation = torch.exp((logp.detach() - behaviour) * mask)
         weight = torch.ones_like(logp)
         anchor = behaviour
