@@ -6,8 +6,13 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of vLLM lives in its own virtualenv (it pins its own torch and transformers).
 VLLM_VENV := .vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/rollserve-vllm.json
+# Agent harnesses run inside boxes from their own virtualenv (`sandbox.harnesses`).
+HARNESS_VENV := .harness-venv
+HARNESS_STAMP := $(HARNESS_VENV)/.installed-stamp
+HARNESS_PACKAGES := mini-swe-agent==2.4.6 openai==3.51.0 anthropic==2.10.0
 
-.PHONY: demo test lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip clean
+.PHONY: demo test lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip \
+	harness-env harness-env-build harness-env-or-skip clean
 
 install: $(STAMP) system-deps
 
@@ -51,6 +56,30 @@ vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): deploy/vllm_env.py
 	$(PYTHON) -m deploy.vllm_env install $(VLLM_VENV)
 
+# The agent harnesses' virtualenv (mini-swe-agent, with litellm; the openai and anthropic
+# SDKs), made with the project's own base Python: boxes see it read-only at its host path
+# (`sandbox.harnesses.harness_env_bind`), so its shebangs hold there, and its base Python is
+# the one every box already has (`sandbox.startup.service_paths`). The stamp, which lists
+# the packages, makes re-running a no-op; changing HARNESS_PACKAGES rebuilds it.
+harness-env:
+	@test "$$(cat $(HARNESS_STAMP) 2>/dev/null)" = "$(HARNESS_PACKAGES)" || $(MAKE) --no-print-directory harness-env-build
+
+harness-env-build: | $(STAMP)
+	rm -rf $(HARNESS_VENV)
+	"$$($(PY) -c 'import sys; print(sys._base_executable)')" -m venv $(HARNESS_VENV)
+	$(HARNESS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(HARNESS_VENV)/bin/python -m pip install -q $(HARNESS_PACKAGES)
+	MSWEA_SILENT_STARTUP=1 MSWEA_GLOBAL_CONFIG_DIR=$(HARNESS_VENV)/etc/mini-swe-agent \
+	  LITELLM_LOCAL_MODEL_COST_MAP=True \
+	  $(HARNESS_VENV)/bin/python -c 'import minisweagent, litellm, openai, anthropic'
+	echo "$(HARNESS_PACKAGES)" > $(HARNESS_STAMP)
+
+# For `make test` (about a minute on a first run, a no-op after): a failed install does not
+# fail the target; the harness tests that need it skip and say why.
+harness-env-or-skip:
+	@$(MAKE) --no-print-directory harness-env \
+	  || echo "the harness environment could not be made: the tests that run mini-swe-agent will skip"
+
 # For `make test`: a failed install does not fail the target; the tests marked `vllm` skip
 # and give the reason recorded in $(VLLM_VENV).
 vllm-or-skip:
@@ -68,7 +97,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --explicit-package-bases examples/train/rollserve_casing
 
-unit: install vllm-or-skip
+unit: install vllm-or-skip harness-env-or-skip
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck unit
@@ -87,4 +116,4 @@ bench-quick: install
 	for b in $(BENCHES); do $(PY) $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .rollserve results .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(HARNESS_VENV) .rollserve results .mypy_cache .ruff_cache

@@ -5,6 +5,7 @@ A sandbox is one instance started through spython (`instance start`) with `--con
 `--writable-tmpfs`, `--no-home`, `--cleanenv`, and `--net --network none` (a spec with network
 is refused: it would share the host's); `--fakeroot` when the backend is made with it. The
 binds are the socket directory (`/rollserve/sock`), the workspace (`/workspace`), the spec's,
+the endpoint directory (`/rollserve/llm`, read-only) when the spec asks for it,
 and the service's Python and packages read-only at their host paths, so the tool server runs
 from the service's own environment (the image must be able to run that interpreter: same libc
 family).
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sandbox.base import (
+    ENDPOINT_DIR,
+    ENDPOINT_DIR_INSIDE,
     SOCKET_DIR_INSIDE,
     WORKSPACE_INSIDE,
     Limits,
@@ -200,6 +203,8 @@ class ApptainerSandbox(ProcessSandbox):
             options += ["--bind", f"{Path(bind.host).resolve()}:{bind.inside}:{mode}"]
         options += ["--bind", f"{self.workspace}:{WORKSPACE_INSIDE}:rw"]
         options += ["--bind", f"{self.state_dir / 'sock'}:{SOCKET_DIR_INSIDE}:rw"]
+        if self.spec.endpoint:
+            options += ["--bind", f"{self.state_dir / ENDPOINT_DIR}:{ENDPOINT_DIR_INSIDE}:ro"]
         return options + cgroup_options(self.spec.limits)
 
     def _passed_env(self, env: dict[str, str]) -> dict[str, str]:

@@ -26,6 +26,12 @@ from sandbox.procs import kill_box_processes
 
 SOCKET_DIR_INSIDE = "/rollserve/sock"
 SOCKET_INSIDE = f"{SOCKET_DIR_INSIDE}/tools.sock"
+ENDPOINT_DIR = "llm"
+"""The endpoint directory of a sandbox with `SandboxSpec.endpoint`, in its state dir."""
+ENDPOINT_DIR_INSIDE = "/rollserve/llm"
+"""Where the box sees its endpoint directory (`sandbox.endpointdir`)."""
+ENDPOINT_SOCKET = "endpoint.sock"
+"""The endpoint's Unix socket, in the endpoint directory."""
 WORKSPACE_INSIDE = "/workspace"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXEC_OUTPUT_LIMIT = 8 << 20
@@ -95,6 +101,10 @@ class SandboxSpec:
     lease_seconds: float = 3600.0
     """The reaper may kill the box this long after it was created."""
     workdir: str = WORKSPACE_INSIDE
+    endpoint: bool = False
+    """Give the box its job's model endpoint: the host makes `<state_dir>/llm/`, every box
+    sees it read-only at `ENDPOINT_DIR_INSIDE`, and the host serves the endpoint on a Unix
+    socket there (`sandbox.endpointdir`), which harnesses reach through `sandbox.llmforward`."""
 
 
 @dataclass
@@ -231,6 +241,10 @@ class Sandbox(ABC):
     @abstractmethod
     def alive(self) -> bool:
         """True while the started box is running."""
+
+    def endpoint_socket_inside(self) -> str:
+        """The path the box's processes reach the job's model endpoint at (`spec.endpoint`)."""
+        return f"{ENDPOINT_DIR_INSIDE}/{ENDPOINT_SOCKET}"
 
 
 class SandboxBackend(ABC):

@@ -9,6 +9,9 @@ the box would see them. All namespaces are unshared; a box with network (as root
 in its sandbox's own network namespace, behind the egress proxy (`sandbox.network`), never in
 the host's. The box dies with the process that started it.
 
+A box with a model endpoint sees its own sandbox's endpoint directory read-only at
+`/rollserve/llm` (`sandbox.endpointdir`), and no other part of the state root.
+
 The tool server's socket is not in the box's filesystem at all: the host binds it in the
 state dir's `sock/` (the service's, mode 0700), the box's main process inherits it as a file
 descriptor and the tool server listens on it, so nothing in the box can remove, replace or
@@ -55,6 +58,8 @@ from typing import ClassVar
 
 from core.egress import EgressRuleError, HostRule, parse_rule
 from sandbox.base import (
+    ENDPOINT_DIR,
+    ENDPOINT_DIR_INSIDE,
     WORKSPACE_INSIDE,
     SandboxBackend,
     SandboxError,
@@ -386,6 +391,9 @@ class BubblewrapSandbox(ProcessSandbox):
         for bind in self.spec.binds:
             mounts.append(Mount(str(Path(bind.host).resolve()), bind.inside, not bind.read_only))
         mounts.append(Mount(str(self.workspace), WORKSPACE_INSIDE, writable=True))
+        if self.spec.endpoint:
+            # Only its own: the state root stays covered (`sandbox.endpointdir`).
+            mounts.append(Mount(str(self.state_dir / ENDPOINT_DIR), ENDPOINT_DIR_INSIDE))
         return mounts
 
     def _passes_socket_fd(self) -> bool:

@@ -38,6 +38,7 @@ from sandbox.base import (
     SandboxSecurityError,
     SandboxSpec,
 )
+from sandbox.harnesses import forwarder_argv, key_env
 from sandbox.startup import peer_credentials
 from sandbox.statedir import SocketIdentity
 
@@ -249,9 +250,13 @@ class _Control:
     """The keeper's control socket: one JSON request per connection, one JSON answer.
 
     `{"op": "exec", "argv": [...], "timeout": s, "max_output": n, "input": text|null,
-    "halt": bool}` halts the box first when asked (every process the agent had is killed,
-    its files stay), then runs `argv` as a fresh `exec` box and answers its `ExecResult`;
-    `{"op": "halt"}` only halts. Errors answer `{"error": "..."}`.
+    "env": {...}|null, "halt": bool}` halts the box first when asked (every process the
+    agent had is killed, its files stay), then runs `argv` as a fresh `exec` box (with the
+    box's clean environment plus `env`) and answers its `ExecResult`; `{"op": "harness",
+    "argv", "timeout", "max_output", "env", "port"}` runs `argv` the same way under the model
+    endpoint's forwarder (`sandbox.llmforward`), never halting; `{"op": "halt"}` only halts
+    (and so ends a running `exec` or harness, which then answers). Errors answer
+    `{"error": "..."}`.
     """
 
     def __init__(self, box: Sandbox) -> None:
@@ -293,20 +298,30 @@ class _Control:
 
     def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
-        if op not in ("exec", "halt"):
+        if op not in ("exec", "harness", "halt"):
             return {"error": f"unknown op {op!r}"}
-        if op == "halt" or request.get("halt", True):
+        if op == "halt" or (op == "exec" and request.get("halt", True)):
             self.box.halt()
         if op == "halt":
             return {"halted": True}
-        argv = request["argv"]
+        argv, env = request["argv"], request.get("env") or {}
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             return {"error": "argv must be a non-empty list of strings"}
-        text = request.get("input")
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            return {"error": "env must map strings to strings"}
+        if op == "harness":
+            if not self.box.spec.endpoint:
+                return {"error": "the sandbox was made without a model endpoint"}
+            socket_path = self.box.endpoint_socket_inside()
+            argv = forwarder_argv(sys.executable, socket_path, argv, int(request.get("port", 0)))
+        text = request.get("input") if op == "exec" else None
         result = self.box.exec(
             argv,
             timeout=float(request.get("timeout", 60.0)),
             input=None if text is None else str(text).encode(),
+            env=env,
             max_output=int(request.get("max_output", EXEC_OUTPUT_LIMIT)),
         )
         return dataclasses.asdict(result)
@@ -378,12 +393,43 @@ def exec_fresh(
     input: str | None = None,
     max_output: int = EXEC_OUTPUT_LIMIT,
     halt: bool = True,
+    env: dict[str, str] | None = None,
 ) -> ExecResult:
     """Run `argv` in a fresh box over the kept box's files (same root, binds, workspace,
     limits; its own /tmp), after halting the box when `halt`: nothing the agent started,
-    stopped or replaced takes part."""
+    stopped or replaced takes part. Its environment is the box's clean one plus `env`."""
     request = {"op": "exec", "argv": argv, "timeout": timeout, "input": input,
-               "max_output": max_output, "halt": halt}  # fmt: skip
+               "max_output": max_output, "halt": halt, "env": env}  # fmt: skip
+    answer = _control_call(kept, request, timeout + 30.0)
+    return ExecResult(**answer)
+
+
+def run_harness(
+    kept: KeptSandbox | dict[str, Any],
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    api_key: str | None = None,
+    timeout: float = 3600.0,
+    max_output: int = EXEC_OUTPUT_LIMIT,
+    port: int = 0,
+) -> ExecResult:
+    """Run the agent harness `argv` in a fresh box over the kept box's files (its root,
+    binds, workspace, limits and network; the box is not halted) and wait for it.
+
+    The harness runs under the forwarder (`sandbox.llmforward`), in the same box, which
+    listens on the box's 127.0.0.1:`port` (0: a free one) and relays to the job's endpoint
+    socket (`sandbox.endpointdir`; the sandbox needs `SandboxSpec.endpoint`). The harness's
+    environment is the box's clean one plus `env`, the job's key as `OPENAI_API_KEY` and
+    `ANTHROPIC_API_KEY` when `api_key` is given, and `OPENAI_BASE_URL`
+    (`http://127.0.0.1:PORT/v1`) and `ANTHROPIC_BASE_URL` (`http://127.0.0.1:PORT`) on the
+    forwarder's port. Its stdout and stderr are cut past `max_output` bytes each; the
+    returncode is the harness's (128+n for signal n). After `timeout` seconds it is killed
+    (`timed_out`); `halt(kept)` from another thread kills it too, and this then returns
+    (returncode -9)."""
+    variables = {**(key_env(api_key) if api_key is not None else {}), **(env or {})}
+    request = {"op": "harness", "argv": argv, "timeout": timeout, "max_output": max_output,
+               "env": variables, "port": port}  # fmt: skip
     answer = _control_call(kept, request, timeout + 30.0)
     return ExecResult(**answer)
 

@@ -6,6 +6,7 @@ space, file size) apply, and the process-count limit does not (without a namespa
 own, RLIMIT_NPROC would count every process of the service's user). `/workspace` in a spec's
 workdir means the sandbox's workspace directory. Without a pid namespace, a process that
 leaves its group (setsid) outlives an `exec` timeout; `stop` still finds it by its label.
+The model endpoint's socket (`spec.endpoint`) is reached at its host path.
 Every `create` says all this in a warning.
 """
 
@@ -17,7 +18,14 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from sandbox.base import WORKSPACE_INSIDE, Limits, SandboxBackend, SandboxSpec
+from sandbox.base import (
+    ENDPOINT_DIR,
+    ENDPOINT_SOCKET,
+    WORKSPACE_INSIDE,
+    Limits,
+    SandboxBackend,
+    SandboxSpec,
+)
 from sandbox.process import ProcessSandbox
 from sandbox.startup import box_env
 from sandbox.statedir import prepare_state
@@ -43,6 +51,9 @@ class LocalSandbox(ProcessSandbox):
 
     def _socket_inside(self) -> str:
         return str(self.socket_path)
+
+    def endpoint_socket_inside(self) -> str:
+        return str(self.state_dir / ENDPOINT_DIR / ENDPOINT_SOCKET)
 
     def _workdir_inside(self) -> str:
         workdir = self.spec.workdir

@@ -4,7 +4,8 @@ Every sandbox has a state directory `<state_root>/<id>/` holding `meta.json` (it
 `SandboxInfo`), the socket directory (the service's; no box writes it), `toolsock.json` (the
 identity of the tool server's socket, `SocketIdentity`) and, unless one is given, the
 workspace (as root on the box's own tmpfs, `disk/`, with its /tmp and /dev/shm:
-`sandbox.boxdisk`). The box that made it, the reaper and any worker on the host may all
+`sandbox.boxdisk`), and for a box with a model endpoint, the directory its socket is made in
+(`llm/`, `sandbox.endpointdir`). The box that made it, the reaper and any worker on the host may all
 reach for it: whoever changes or removes it holds its lock (`locked(state_lock(state_dir))`),
 and the uids of boxes under one root are picked under a lock of the root.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandbox.base import SandboxError, SandboxInfo, SandboxSpec
+from sandbox.base import ENDPOINT_DIR, SandboxError, SandboxInfo, SandboxSpec
 from sandbox.boxdisk import DISK_DIR, WORKSPACE_DIR, detach, detach_mounts_under, mount_box_disk
 from sandbox.cgroups import create_cgroup, kill_cgroup, remove_cgroup
 
@@ -236,6 +237,10 @@ def prepare_state(
     state_dir = state_root / sandbox_id
     state_dir.mkdir(mode=0o700)
     (state_dir / "sock").mkdir(mode=0o700)
+    if spec.endpoint:
+        # Boxes see it read-only; only the service writes it (`sandbox.endpointdir`).
+        (state_dir / ENDPOINT_DIR).mkdir()
+        os.chmod(state_dir / ENDPOINT_DIR, 0o755)
     given = spec.workspace is not None
     workspace = state_dir / "workspace"
     disk = _own_disk(spec, state_dir) if own_disk else None
