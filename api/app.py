@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
@@ -16,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import tenant_of
 from api.errors import error_responses, http_error, json_safe, validation_error
-from api.routes import backends, batches, rollouts, system
+from api.routes import backends, batches, rollouts, sessions, system
 from api.service import RequestError, Services
 from api.ui.routes import install as install_console
 from broker.celery_app import create_celery
@@ -144,10 +146,17 @@ def build_services(settings: Settings) -> Services:
     )
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    await sessions.close_session_client(app)
+
+
 def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
     """The gateway app; `services` may be injected (tests), otherwise built from `settings`."""
     settings = settings or get_settings()
     app = FastAPI(
+        lifespan=_lifespan,
         title="rollserve",
         version="0.1.0",
         description="Rollout-as-a-service for RL of multi-turn LLM agents.",
@@ -158,6 +167,9 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     auth = [Depends(require_token)] if token else []
     v1 = error_responses(*((401, 503) if token else (503,)))
     app.include_router(rollouts.router, dependencies=auth, responses=v1)
+    app.include_router(sessions.router, dependencies=auth, responses=v1)
+    # A session's own routes carry its key, checked by the worker serving it.
+    app.include_router(sessions.relay_router)
     app.include_router(batches.router, dependencies=auth, responses=v1)
     app.include_router(backends.router, dependencies=auth, responses=v1)
     app.include_router(system.v1_router, dependencies=auth, responses=v1)

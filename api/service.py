@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,8 @@ from core.schemas import (
     BatchRequest,
     RolloutRequest,
     SamplingParams,
+    SessionOpened,
+    SessionRequest,
     Task,
     Trajectory,
     json_problem,
@@ -32,6 +35,7 @@ from workers.dapo import submit_dynamic
 from workers.dispatch import Dispatcher, DispatchError
 from workers.handlers.base import TaskValidationError
 from workers.handlers.registry import UnknownDataSource, get_handler, known_handlers
+from workers.harness import sessions
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +256,45 @@ def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonym
     )
     _enqueue(svc, [spec], None, 1, tenant)
     return spec.job_id
+
+
+def open_session(
+    svc: Services, request: SessionRequest, base_url: str, tenant: str = "anonymous"
+) -> SessionOpened:
+    """Validate and enqueue a session's job; its key is made here and shown only in the
+    answer (the job keeps its SHA-256)."""
+    validate_task(request.task, ["body", "task"])
+    check_task_size(svc, request.task, ["body", "task"])
+    _require_backend(svc)
+    check_token_limits(svc, request.sampling, ["body", "sampling"])
+    check_quota(svc, tenant, 1)
+    key = secrets.token_urlsafe(32)
+    agent = resolve_agent(request.agent, svc.settings)
+    agent[sessions.KEY_HASH] = sessions.key_hash(key)
+    agent[sessions.IDLE] = request.idle_seconds
+    spec = JobSpec(
+        task=request.task.model_dump(),
+        data_source=request.task.data_source,
+        instance_id=instance_id_of(request.task),
+        sampling=resolve_sampling(request.sampling, svc.settings),
+        agent=agent,
+        group_id=uuid.uuid4().hex,
+    )
+    _enqueue(svc, [spec], None, 1, tenant)
+    handler = get_handler(request.task.data_source)
+    tools = None
+    if handler.needs_sandbox:
+        declared = handler.tools(spec.task) or []
+        tools = [t for t in declared if (t.get("function") or t).get("name") != "finish"]
+    root = f"{base_url.rstrip('/')}/v1/sessions/{spec.job_id}"
+    return SessionOpened(
+        job_id=spec.job_id,
+        base_url=root,
+        openai_base_url=f"{root}/v1",
+        anthropic_base_url=root,
+        api_key=key,
+        tools=tools,
+    )
 
 
 def resolve_dynamic(request: BatchRequest) -> DynamicOptions | None:

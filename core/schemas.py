@@ -6,11 +6,29 @@ so the gateway, the workers and the client all import it.
 
 from __future__ import annotations
 
-import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The shared bounds and value types, and the fleet's models, live beside this module; they are
+# imported from here like every other part of the wire format.
+from core.fleet import MAX_WEIGHT_UPDATE_TIMEOUT as MAX_WEIGHT_UPDATE_TIMEOUT
+from core.fleet import Backend as Backend
+from core.fleet import BackendSpec as BackendSpec
+from core.fleet import BackendWeightUpdate as BackendWeightUpdate
+from core.fleet import ResumeRequest as ResumeRequest
+from core.fleet import WeightUpdateReport as WeightUpdateReport
+from core.fleet import WeightUpdateRequest as WeightUpdateRequest
+from core.values import HARNESS_OUTPUT_LIMIT as HARNESS_OUTPUT_LIMIT
+from core.values import MAX_POLICY_VERSION as MAX_POLICY_VERSION
+from core.values import MAX_SEED as MAX_SEED
+from core.values import MAX_STALE_RERUNS as MAX_STALE_RERUNS
+from core.values import MAX_TASK_DEPTH as MAX_TASK_DEPTH
+from core.values import MAX_TOKENS as MAX_TOKENS
+from core.values import Text as Text
+from core.values import encodable as encodable
+from core.values import json_problem as json_problem
 
 
 class JobStatus(StrEnum):
@@ -37,71 +55,6 @@ STAGES = ("init", "run", "eval")
 
 
 # ----------------------------------------------------------------------------- requests
-
-MAX_SEED = 2**63 - 1
-"""Largest seed of any sample: backends take signed 64-bit seeds (vLLM refuses larger ones)."""
-MAX_TOKENS = 1 << 20
-"""Schema bound of `max_tokens` and `max_total_tokens`; the backends' context length is
-usually a tighter one."""
-MAX_POLICY_VERSION = 2**63 - 1
-"""Largest policy version: a signed 64-bit integer, as trainers count steps."""
-MAX_STALE_RERUNS = 3
-"""Times a stale job's episode is started again (`AgentParams.on_stale`) before it is dropped."""
-MAX_TASK_DEPTH = 64
-"""Deepest nesting of lists and objects inside a task."""
-HARNESS_OUTPUT_LIMIT = 64 << 10
-"""Bytes of a harness's stdout and of its stderr kept in its trajectory (`HarnessRun`)."""
-
-
-def encodable(value: str) -> str:
-    """`value` when it is valid Unicode text; a lone surrogate (JSON `"\\ud800"`) is not, and
-    could be neither stored, tokenized nor sent on."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(value[exc.start])
-        raise ValueError(
-            f"holds a lone surrogate (U+{code:04X} at index {exc.start}): not valid Unicode text"
-        ) from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(encodable)]
-"""A string that encodes as UTF-8."""
-
-
-def json_problem(
-    value: Any, max_depth: int = MAX_TASK_DEPTH, *, allow_nonfinite: bool = False
-) -> tuple[list[str | int], str] | None:
-    """The first place in a JSON value that strict JSON cannot carry or that could not be
-    passed on as text: a lone surrogate in a string or a key, a NaN or infinite number
-    (unless `allow_nonfinite`), or nesting deeper than `max_depth`. Returns its path and what
-    is wrong, or None."""
-    stack: list[tuple[list[str | int], Any]] = [([], value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            try:
-                encodable(item)
-            except ValueError as exc:
-                return path, str(exc)
-        elif isinstance(item, float):
-            if not (allow_nonfinite or math.isfinite(item)):
-                return path, f"must be a finite number, not {item}"
-        elif isinstance(item, dict | list):
-            if len(path) >= max_depth:
-                return path, f"nests lists and objects deeper than {max_depth} levels"
-            if isinstance(item, list):
-                stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item))))
-                continue
-            for key, child in reversed(list(item.items())):
-                try:
-                    encodable(key)
-                except ValueError as exc:
-                    safe = key.encode("utf-8", "backslashreplace").decode("utf-8")
-                    return [*path, safe], f"the key {exc}"
-                stack.append(([*path, key], child))
-    return None
 
 
 class Task(BaseModel):
@@ -181,6 +134,63 @@ class RolloutRequest(BaseModel):
     agent: AgentParams = Field(default_factory=AgentParams)
 
 
+class SessionRequest(BaseModel):
+    """Body of `POST /v1/sessions`: a job driven by a harness outside the service (an OpenAI
+    Agents SDK or LangGraph program in the trainer's process) through its own endpoint."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    task: Task
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    agent: AgentParams = Field(default_factory=AgentParams)
+    """Its budgets bound the session's calls; `agent.command` has no place here (the harness
+    is the caller's)."""
+    idle_seconds: float = Field(default=600.0, gt=0, le=86_400)
+    """The session ends (`stop_reason` `session_idle`, graded as asked at its end, or by the
+    task's grader) when no call or tool reaches it for this long."""
+
+    @field_validator("agent")
+    @classmethod
+    def _no_command(cls, value: AgentParams) -> AgentParams:
+        if value.command is not None:
+            raise ValueError("a session's harness is the caller's own: leave out agent.command")
+        return value
+
+
+class SessionOpened(BaseModel):
+    """Answer of `POST /v1/sessions`: where the caller's harness sends its model calls."""
+
+    job_id: str
+    base_url: str
+    """The session's root: `{base_url}/v1/chat/completions`, `/v1/responses`, `/v1/messages`,
+    `/tools/{name}` and `/end`."""
+    openai_base_url: str
+    """`OPENAI_BASE_URL` for the session (`{base_url}/v1`)."""
+    anthropic_base_url: str
+    """`ANTHROPIC_BASE_URL` for the session (`base_url`)."""
+    api_key: str
+    """The session's key (`Authorization: Bearer` or `x-api-key`), shown only here: it opens
+    this job's endpoint only, and only while it runs."""
+    tools: list[dict[str, Any]] | None = None
+    """The task's sandbox tools (OpenAI shape), callable at `{base_url}/tools/{name}`, when
+    the task has a sandbox."""
+
+
+class SessionEnd(BaseModel):
+    """Body of `POST {base_url}/end`: the caller's own reward, or `grade` for the task's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    reward: float | None = None
+    grade: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SessionEnd:
+        if self.grade == (self.reward is not None):
+            raise ValueError("give either a reward or grade: true (exactly one)")
+        return self
+
+
 class DynamicSampling(BaseModel):
     """DAPO dynamic sampling options of a batch: the batch's tasks are a pool from which groups
     are drawn until `target_groups` informative groups (not all rewards equal) are complete."""
@@ -214,132 +224,6 @@ class BatchRequest(BaseModel):
     """DAPO dynamic sampling over the tasks as a pool (see `DynamicSampling`)."""
 
 
-class BackendSpec(BaseModel):
-    """Body of `POST /v1/backends`."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-    url: str = Field(pattern=r"^https?://[^\s/]+(:\d+)?(/[^\s]*)?$", max_length=2048)
-    """Base URL of the inference server, e.g. `http://gpu-node-3:8000`: `http` or `https`, a
-    host (a DNS name or an IP address, in ASCII), an optional port and path; no credentials,
-    query or fragment."""
-    kind: Literal["vllm", "sglang"] = "vllm"
-    model: Text = Field(min_length=1, max_length=1024)
-    """Model name the server serves (its `--served-model-name`)."""
-    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
-    """Stable id; derived from the URL when absent."""
-    policy_version: int | None = Field(default=None, ge=0, le=MAX_POLICY_VERSION)
-    """Version of the weights this server holds; copied into trajectories."""
-    api: Literal["completions", "generate"] = "completions"
-    """vLLM only: `completions` speaks `/v1/completions` (token ids in, `return_token_ids`),
-    `generate` speaks `/inference/v1/generate` (tokens in, tokens out). SGLang always speaks
-    its native `/generate`."""
-    capacity: float = Field(default=1.0, gt=0.0, le=1e6)
-    """Relative capacity (e.g. GPUs or batch slots): a backend with capacity 2 is assigned
-    twice the jobs of one with capacity 1 before it counts as equally loaded."""
-    tokenizer: Text | None = Field(default=None, min_length=1, max_length=1024)
-    """SGLang only: the Hugging Face tokenizer (a path on the workers, or a hub name they can
-    load) that renders chat templates, since SGLang's `/tokenize` cannot; `model` when
-    absent. vLLM renders through its own `/tokenize`."""
-
-    # The `after` check is defined before `_mask_credentials`, which makes the masking run
-    # first and every error about the URL (pattern, length, this check) show the masked
-    # value, never the credentials.
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, value: str) -> str:
-        """Parse the URL (urllib's parser) and refuse what a backend URL cannot be."""
-        import ipaddress
-        import re
-        from urllib.parse import urlsplit
-
-        if not value.isascii() or not value.isprintable() or " " in value or "\\" in value:
-            raise ValueError(
-                "must be printable ASCII without spaces or backslashes (write an international "
-                "host name in its xn-- form)"
-            )
-        try:
-            parts = urlsplit(value)
-            port = parts.port
-        except ValueError:
-            raise ValueError("is not a valid URL (host or port malformed)") from None
-        if parts.scheme not in ("http", "https"):
-            raise ValueError("must start with http:// or https://")
-        if "@" in parts.netloc:
-            raise ValueError(
-                "must not carry credentials (user:password@): backend records hold no "
-                "secrets; serve the backend on a network only the workers reach"
-            )
-        if "?" in value or "#" in value:
-            raise ValueError("must not have a query or a fragment")
-        host = parts.hostname
-        if not host:
-            raise ValueError("needs a host")
-        if port == 0:
-            raise ValueError("has port 0")
-        if ":" in host or re.fullmatch(r"[0-9.]+", host):
-            try:
-                ipaddress.ip_address(host)
-            except ValueError:
-                raise ValueError("has a host that is not a valid IP address") from None
-        else:
-            label = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-            if len(host) > 253 or not re.fullmatch(rf"{label}(?:\.{label})*\.?", host):
-                raise ValueError("has a host that is not a valid DNS name")
-        if not re.fullmatch(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*", parts.path):
-            raise ValueError("has characters a URL path cannot hold")
-        return value
-
-    @field_validator("url", mode="before")
-    @classmethod
-    def _mask_credentials(cls, value: Any) -> Any:
-        """`user:password@` in the URL becomes `***@`: the value is refused by `_check_url`,
-        and the 422 shows this masked form."""
-        import re
-
-        if not isinstance(value, str):
-            return value
-        # Text that cannot be encoded (lone surrogates) is shown escaped; refused anyway.
-        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
-        if "@" not in value:
-            return value
-        masked = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@", r"\1***@", value)
-        if re.fullmatch(r"https?://(\*\*\*@)?[^/?#@]*(/[^?#]*)?", masked):
-            return masked  # `@` left, if any, is in the path
-        return re.sub(r"[^/@]*@", "***@", masked)  # refused anyway: mask every `...@`
-
-
-class ResumeRequest(BaseModel):
-    """Body of `POST /v1/backends/{id}/resume` and `POST /v1/backends/resume` (optional)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-    policy_version: int | None = Field(default=None, ge=0, le=MAX_POLICY_VERSION)
-    """The version of the weights the backend now holds; every later turn records it."""
-
-
-MAX_WEIGHT_UPDATE_TIMEOUT = 3600.0
-"""Longest `timeout` of a weight update, in seconds."""
-
-
-class WeightUpdateRequest(BaseModel):
-    """Body of `POST /v1/backends/update_weights`: drain, load `model_path`, resume with
-    `policy_version`, on every backend named (all when `backends` is absent)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-    model_path: Text = Field(min_length=1, max_length=4096)
-    """A checkpoint directory (Hugging Face format) on the inference servers' machines."""
-    policy_version: int = Field(ge=0, le=MAX_POLICY_VERSION)
-    """The version of the new weights; every later turn records it."""
-    backends: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]] | None = Field(
-        default=None, min_length=1, max_length=1024
-    )
-    """Backend ids to update; None: every registered backend."""
-    timeout: float = Field(default=600.0, gt=0.0, le=MAX_WEIGHT_UPDATE_TIMEOUT)
-    """Seconds each backend may take to become idle and then to load (each, separately)."""
-
-
 # ----------------------------------------------------------------------------- responses
 
 
@@ -350,59 +234,6 @@ class RolloutAccepted(BaseModel):
 class BatchAccepted(BaseModel):
     batch_id: str
     jobs: list[str]
-
-
-class Backend(BaseModel):
-    """A registered inference server as `GET /v1/backends` shows it."""
-
-    id: str
-    url: str
-    kind: Literal["vllm", "sglang"]
-    model: str
-    policy_version: int | None = None
-    api: Literal["completions", "generate"] = "completions"
-    capacity: float = 1.0
-    tokenizer: str | None = None
-    in_flight: int = 0
-    """Jobs currently holding this backend."""
-    state: Literal["healthy", "draining", "dead"] = "healthy"
-    """`healthy` takes jobs; `draining` takes none and lets running requests finish;
-    `dead` failed its health checks (or a request) and is re-admitted when it answers."""
-    idle: bool = True
-    """No job holds it: after a drain, the moment weights can be swapped."""
-    failures: int = 0
-    """Consecutive failed health checks."""
-    registered_at: float
-    max_model_len: int | None = None
-    """The context length the server reported when it was registered (`max_model_len` of
-    its `/v1/models`); None when unknown (not reported, or registered with `verify=false`)."""
-
-
-class BackendWeightUpdate(BaseModel):
-    """How one backend's weight update went."""
-
-    id: str
-    ok: bool
-    """Loaded and resumed with the new policy version; False: it stays drained."""
-    drain_seconds: float
-    """From the drain until no job held it."""
-    load_seconds: float | None = None
-    """The engine's load (None when it was not reached)."""
-    total_seconds: float
-    error: str | None = None
-    """Why it failed, naming what the engine said."""
-
-
-class WeightUpdateReport(BaseModel):
-    """Answer of `POST /v1/backends/update_weights`."""
-
-    model_path: str
-    policy_version: int
-    ok: bool
-    """Every backend took the new weights."""
-    backends: list[BackendWeightUpdate]
-    error: str | None = None
-    """Which backends failed, when any did."""
 
 
 class StageError(BaseModel):
@@ -496,9 +327,11 @@ class Segment(BaseModel):
 
 
 class HarnessRun(BaseModel):
-    """How the job's own agent harness (`agent.command`) ran in its sandbox."""
+    """How the job's own agent harness ran: `agent.command` in its sandbox, or a session's
+    caller outside the service."""
 
-    command: str
+    command: str | None = None
+    """The harness's command (`agent.command`); None for a session driven from outside."""
     exit_code: int | None = None
     """Its exit status (128+n when signal n ended it); None when it was stopped (cancelled,
     out of time)."""
@@ -586,7 +419,8 @@ class Trajectory(BaseModel):
     segments: list[Segment] = Field(default_factory=list)
     """The segments after the first, each a trainable sequence of its own (the arrays above
     are the first); empty when the whole trajectory is one sequence, as the built-in agent
-    loop's always is. `core.flatten.sequences` gives all of them in one list."""
+    loop's is unless its chat template cannot be continued by appending ids (`rerendered`).
+    `core.flatten.sequences` gives all of them in one list."""
     created_at: float | None = None
     finished_at: float | None = None
 

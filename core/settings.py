@@ -196,6 +196,19 @@ class Settings(BaseSettings):
     """Seconds between a worker's sweeps for sandboxes whose job ended or whose lease expired."""
     tool_timeout: float = 120.0
     """Default seconds for one bash or ipython call of an agent."""
+    harness_tool_parser: str = "hermes"
+    """How a harness job's endpoint reads tool calls out of the generated text: the served
+    model family's convention (`hermes`, `qwen3`, `qwen2.5`)."""
+    session_host: str = "127.0.0.1"
+    """The address a RUN worker serves a session's endpoint on (a free port), for the gateway
+    to relay the caller's requests to: this node's address the gateways reach (loopback on
+    one machine)."""
+    session_wait: float = Field(default=120.0, gt=0)
+    """Seconds the gateway holds a session's request while the session is still starting
+    (queued, its sandbox coming up) before it answers 503."""
+    harness_port: int = Field(default=4000, ge=1024, le=65535)
+    """The loopback port inside a harness job's box at which its endpoint answers
+    (`OPENAI_BASE_URL=http://127.0.0.1:PORT/v1`)."""
     heartbeat_interval: float = Field(default=5.0, gt=0)
     """Seconds between a worker's heartbeats (one key per worker process and per node)."""
     heartbeat_ttl: float = Field(default=20.0, gt=0)

@@ -292,6 +292,14 @@ class RoutedPolicy:
 
         return await self._with_failover(call)
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids` as the job's backend decodes them (special tokens included)."""
+
+        async def call(_b: Backend, client: Any, _t: ChatTemplater) -> str:
+            return str(await client.detokenize(ids))
+
+        return await self._with_failover(call)
+
     # ------------------------------------------------------------------ templater
 
     async def prompt_ids(

@@ -16,17 +16,23 @@ from typing import Any
 from broker.jobstore import JobRecord
 from core.schemas import MAX_STALE_RERUNS, TERMINAL_STATUSES, JobStatus, StageError, Trajectory
 from sandbox.egress import read_events
+from sandbox.harnesses import harness_env_bind, harness_env_ready
 from sandbox.keeper import launch
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
 from workers.freshshell import FreshShell
-from workers.handlers.base import Handler
+from workers.handlers.base import Grade, Handler
 from workers.handlers.registry import get_handler
+from workers.harness.run import HarnessEpisode, HarnessJob, instruction_of, run_harness_episode
+from workers.harness.sessions import IDLE, KEY_HASH, SessionJob, run_session_episode
 from workers.process_state import Runtime, shares_loop
 from workers.routed_policy import JobCancelled, RoutedPolicy, StalePolicy
 from workers.trajectory import TrajectoryBuilder
 
 log = logging.getLogger(__name__)
+
+SESSION_REWARD = "session_reward"
+"""The key of a session's own reward in its trajectory's `outcome`."""
 
 
 class TimeBudgetSpent(Exception):
@@ -83,6 +89,10 @@ def start_sandbox(rt: Runtime, job_id: str, record: JobRecord, handler: Handler)
     spec = handler.sandbox_spec(record.task, job_id)
     if spec is None:
         return
+    if record.agent.get("command"):
+        spec.endpoint = True  # the harness's endpoint, bound in
+        if harness_env_ready():
+            spec.binds.append(harness_env_bind())  # `make harness-env`, read-only
     if record.sandbox is not None:
         rt.release_sandbox(job_id)
     kept = launch(spec, rt.settings.sandbox_backend, rt.settings.sandbox_dir.resolve())
@@ -152,6 +162,8 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         shell.halt()
         trajectory.outcome = handler.collect_outcome(record.task, shell)
         trajectory.egress = read_events(Path(record.sandbox["state_dir"]))
+    if isinstance(episode, HarnessEpisode) and episode.reward is not None:
+        trajectory.outcome[SESSION_REWARD] = episode.reward  # after the box's own outcome
         if not handler.grades_in_sandbox:
             rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
     rt.store.save_partial(job_id, trajectory)
@@ -189,12 +201,14 @@ def _run_episode(
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(None, rt.store.save_partial, job_id, trajectory)
 
+    if record.agent.get(KEY_HASH):
+        work = _session_episode(rt, record, routed, limits, save)
+    elif record.agent.get("command"):
+        work = _harness_episode(rt, record, routed, limits, save)
+    else:
+        work = _episode_with_tools(record, handler, routed, limits, save)
     try:
-        episode = rt.run(
-            _episode_with_tools(record, handler, routed, limits, save),
-            job_id=job_id,
-            time_limit=rt.settings.run_soft_time_limit,
-        )
+        episode = rt.run(work, job_id=job_id, time_limit=rt.settings.run_soft_time_limit)
         routed.check_staleness()  # the bound holds until the episode's end, not only per turn
     except JobCancelled:
         rt.release_sandbox(job_id)
@@ -204,6 +218,8 @@ def _run_episode(
     finally:
         rt.pool.release(job_id)
     episode.builder.fill(trajectory)
+    if isinstance(episode, HarnessEpisode):
+        trajectory.harness = episode.harness
     _stamp_backend(trajectory, routed)
     rt.store.set_fields(
         job_id, backend_id=trajectory.backend_id, policy_version=trajectory.policy_version
@@ -248,6 +264,75 @@ async def _episode_with_tools(
             await runner.close()
 
 
+async def _harness_episode(
+    rt: Runtime,
+    record: JobRecord,
+    routed: RoutedPolicy,
+    limits: Limits,
+    save: Callable[[TrajectoryBuilder], Awaitable[object] | None],
+) -> Episode:
+    assert record.context is not None
+    if record.sandbox is None:
+        raise RuntimeError("a job with agent.command reached RUN without its sandbox")
+    job = HarnessJob(
+        job_id=record.job_id,
+        command=str(record.agent["command"]),
+        instruction=instruction_of(record.context["messages"]),
+        sandbox=record.sandbox,
+        model=_model_name(rt),
+        port=rt.settings.harness_port,
+        parser=rt.settings.harness_tool_parser,
+    )
+    return await run_harness_episode(
+        job,
+        routed,
+        limits,
+        is_live=routed.is_live,
+        on_turn=save,
+        time_limit=rt.settings.run_soft_time_limit,
+    )
+
+
+async def _session_episode(
+    rt: Runtime,
+    record: JobRecord,
+    routed: RoutedPolicy,
+    limits: Limits,
+    save: Callable[[TrajectoryBuilder], Awaitable[object] | None],
+) -> Episode:
+    assert record.context is not None
+    job = SessionJob(
+        job_id=record.job_id,
+        key_sha256=str(record.agent[KEY_HASH]),
+        idle_seconds=float(record.agent.get(IDLE, 600.0)),
+        model=_model_name(rt),
+        parser=rt.settings.harness_tool_parser,
+        tools=record.context.get("tools") if record.sandbox is not None else None,
+        socket_path=record.sandbox["socket_path"] if record.sandbox is not None else None,
+        tool_timeout=limits.tool_timeout,
+    )
+
+    async def publish(url: str | None) -> None:
+        await asyncio.to_thread(rt.store.set_fields, record.job_id, session_url=url)
+
+    return await run_session_episode(
+        job,
+        routed,
+        limits,
+        host=rt.settings.session_host,
+        publish=publish,
+        is_live=routed.is_live,
+        on_turn=save,
+        time_limit=rt.settings.run_soft_time_limit,
+    )
+
+
+def _model_name(rt: Runtime) -> str:
+    """The served model's name, as a harness's endpoint lists it."""
+    backends = rt.pool.list()
+    return backends[0].model if backends else "policy"
+
+
 def eval_stage(rt: Runtime, job_id: str) -> bool:
     """Grade the episode and record the job as completed (once)."""
     started = time.perf_counter()
@@ -257,7 +342,12 @@ def eval_stage(rt: Runtime, job_id: str) -> bool:
     handler = get_handler(record.data_source)
     trajectory = rt.store.trajectory(job_id)
     texts = [turn.text for turn in trajectory.turns if turn.type == "model"]
-    if record.sandbox is not None and handler.grades_in_sandbox:
+    if record.agent.get(KEY_HASH) and SESSION_REWARD in trajectory.outcome:
+        # The session's caller gave its own reward at its end.
+        if record.sandbox is not None:
+            rt.release_sandbox(job_id)
+        grade = Grade(float(trajectory.outcome[SESSION_REWARD]), {"source": "session"})
+    elif record.sandbox is not None and handler.grades_in_sandbox:
         try:
             shell = FreshShell(record.sandbox)
             grade = handler.grade(record.task, texts, shell, trajectory.outcome, job_id=job_id)

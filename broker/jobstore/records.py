@@ -295,6 +295,14 @@ class Records(Trajectories):
             raise JobNotFound(job_id)
         return bool(result == 1)
 
+    def session_address(self, job_id: str) -> tuple[JobStatus, str | None]:
+        """A session job's status and the address its RUN serves the session at (None while
+        it is not served)."""
+        status, url = self.r.hmget(self._job(job_id), ["status", "session_url"])
+        if status is None:
+            raise JobNotFound(job_id)
+        return JobStatus(text(status)), (text(url) or None) if url else None
+
     def set_fields(self, job_id: str, **fields: Any) -> None:
         """Record side facts of a live job (backend, policy version, context)."""
         mapping: dict[str | bytes, str | int | float] = {

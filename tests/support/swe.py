@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from sandbox.bwrap import BubblewrapBackend
 
@@ -32,3 +35,38 @@ def bwrap_problem() -> str | None:
         return "bubblewrap is not installed (apt-get install bubblewrap)"
     ok, why = BubblewrapBackend().available()
     return None if ok else f"bubblewrap cannot make boxes here: {why}"
+
+
+def mini_swe_agent_entries(patches: dict[str, str]) -> list[dict[str, Any]]:
+    """Development-server script entries answering mini-swe-agent (tool-call mode: its one
+    `bash` tool) on every example: the gold sample applies the gold patch, the wrong one
+    makes the plausible wrong edit; both then submit as mini-swe-agent asks
+    (`COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` on the first line of a command's output).
+    `patches` maps each example's instance id to its gold patch."""
+    submit = BUILDER.tool_call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+    entries = []
+    for example in BUILDER.EXAMPLES:
+        patch = patches[example.instance_id]
+        gold = BUILDER.tool_call("bash", command=f"git apply <<'EOF'\n{patch}EOF\n")
+        wrong = [
+            BUILDER.tool_call("bash", command=_replace_command(edit)) for edit in example.wrong
+        ]
+        entries.append(
+            {
+                "match": example.issue.splitlines()[0],
+                "samples": [[gold, submit], [*wrong, submit]],
+            }
+        )
+    return entries
+
+
+def _replace_command(edit: Any) -> str:
+    """A shell command making `edit` (replace `old` once in `path`) with Python."""
+    program = (
+        "import json, pathlib, sys\n"
+        "path, old, new = json.load(sys.stdin)\n"
+        "p = pathlib.Path(path)\n"
+        "p.write_text(p.read_text().replace(old, new, 1))\n"
+    )
+    data = json.dumps([f"/workspace/{edit.path}", edit.old, edit.new])
+    return f"python3 -c {shlex.quote(program)} <<'EOF'\n{data}\nEOF\n"

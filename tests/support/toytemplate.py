@@ -46,6 +46,9 @@ class ToyTemplater:
         head = [TOOLS_MARK, *chars(",".join(t["function"]["name"] for t in tools))] if tools else []
         return head + self._render(messages) + [HEADERS["assistant"]]
 
+    async def detokenize(self, ids: list[int]) -> str:
+        return await detokenize(ids)
+
     async def continuation_ids(
         self,
         last_output_ids: list[int],
@@ -68,3 +71,8 @@ def answer(text: str, version: int = 3) -> Completion:
         backend_id="b",
         policy_version=version,
     )
+
+
+async def detokenize(ids: list[int]) -> str:
+    """The toy's text of `ids`: characters, and markers for the template's own ids."""
+    return "".join(chr(i - 100) if i >= 100 else f"<{i}>" for i in ids)

@@ -115,7 +115,8 @@ def _api_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key", "").strip() or None
 
 
-async def _endpoint(request: web.Request) -> Endpoint:
+async def endpoint_of(request: web.Request) -> Endpoint:
+    """The endpoint the request's key opens; `ApiError` (401) when none."""
     key = _api_key(request)
     if key is None:
         raise ApiError("authentication", "no API key: send `Authorization: Bearer KEY`")
@@ -140,7 +141,7 @@ async def _json_body(request: web.Request) -> Any:
 
 def _generate_route(shape: _Shape) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
-        endpoint = await _endpoint(request)
+        endpoint = await endpoint_of(request)
         chat = shape.parse_request(await _json_body(request))
         result = await endpoint.generate(chat)
         log.debug(
@@ -177,7 +178,7 @@ def _model_entry(model: str) -> dict[str, Any]:
 
 
 async def _list_models(request: web.Request) -> web.Response:
-    model = (await _endpoint(request)).model
+    model = (await endpoint_of(request)).model
     return web.json_response(
         {
             "object": "list",
@@ -190,14 +191,14 @@ async def _list_models(request: web.Request) -> web.Response:
 
 
 async def _get_model(request: web.Request) -> web.Response:
-    model = (await _endpoint(request)).model
+    model = (await endpoint_of(request)).model
     if request.match_info["model"] != model:
         raise ApiError("not_found", f"no model `{request.match_info['model']}` here")
     return web.json_response(_model_entry(model))
 
 
 async def _count_tokens(request: web.Request) -> web.Response:
-    await _endpoint(request)
+    await endpoint_of(request)
     raise ApiError("not_found", "token counting is not served by this endpoint")
 
 

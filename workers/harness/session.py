@@ -41,6 +41,8 @@ class RoutedModel(Templater, Protocol):
 
     async def max_model_len(self) -> int: ...
 
+    async def detokenize(self, ids: list[int]) -> str: ...
+
 
 class HarnessSession:
     """The job's side of its endpoint (the `Endpoint` the HTTP app serves)."""
@@ -74,6 +76,7 @@ class HarnessSession:
         self._context: int | None = None
         self._saving: Awaitable[object] | None = None
         self._replied_at: float | None = None
+        self._token_text: dict[int, str] = {}
 
     @property
     def builder(self) -> TrajectoryBuilder | None:
@@ -170,10 +173,11 @@ class HarnessSession:
             seed=limits.seed if request.seed is None else request.seed,
             stop=limits.stop if request.stop is None else request.stop,
         )
+        text = await self._visible(completion)
         parsed = (
-            Parsed(content=completion.text)
+            Parsed(content=text)
             if request.tool_choice == "none" or not request.tools
-            else self.parser.parse(completion.text)
+            else self.parser.parse(text)
         )
         calls = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in parsed.calls]
         llm_seconds = time.perf_counter() - started
@@ -183,6 +187,21 @@ class HarnessSession:
         self._replied_at = time.perf_counter()
         self._saving = self.on_turn(builder)  # lands while the harness works on the answer
         return self._result(request, completion, parsed)
+
+    async def _visible(self, completion: Completion) -> str:
+        """The generated text as an API returns it: without the stop string or the stop token
+        (EOS) that ended it (both stay in the recorded ids and text)."""
+        text = completion.text
+        if completion.finish_reason != "stop" or not completion.output_ids:
+            return text
+        if isinstance(completion.stop_reason, str):
+            tail = completion.stop_reason
+        else:
+            last = completion.output_ids[-1]
+            if last not in self._token_text:
+                self._token_text[last] = await self.policy.detokenize([last])
+            tail = self._token_text[last]
+        return text[: -len(tail)] if tail and text.endswith(tail) else text
 
     def _result(self, request: ChatRequest, completion: Completion, parsed: Parsed) -> ChatResult:
         finish = "length" if completion.finish_reason == "length" else "stop"
