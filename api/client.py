@@ -30,6 +30,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from api.client_sessions import AsyncSessions, Sessions
 from api.client_weights import AsyncWeightUpdates, WeightUpdates
 from api.resume import RESUME_SECONDS, ResultLine, Resume
 from core.schemas import (
@@ -300,7 +301,7 @@ class _Base:
         return httpx.Timeout(self.timeout, read=read)
 
 
-class RolloutClient(WeightUpdates, _Base):
+class RolloutClient(Sessions, WeightUpdates, _Base):
     """Blocking client of the gateway. Use as a context manager, or call ``close()``.
 
     ``url`` defaults to ``$ROLLSERVE_URL`` (else http://127.0.0.1:8600), ``token`` to
@@ -500,7 +501,7 @@ class RolloutClient(WeightUpdates, _Base):
         return _backend_or_list(self._request("POST", path, json=_resume_body(policy_version)))
 
 
-class AsyncRolloutClient(AsyncWeightUpdates, _Base):
+class AsyncRolloutClient(AsyncSessions, AsyncWeightUpdates, _Base):
     """The same client for asyncio code: every method is a coroutine, and
     ``iter_batch_results`` an async iterator. Use ``async with``, or ``await aclose()``.
     """

@@ -21,6 +21,7 @@ from core.flatten import sequences
 from core.schemas import JobStatus, SessionOpened, Trajectory
 from deploy.stack import Stack
 from sandbox.harnesses import MINI_SWE_AGENT, harness_env_ready, harness_python
+from tests.support.procs import processes_mentioning
 from tests.support.swe import BUILDER, bwrap_problem, mini_swe_agent_entries
 from tests.support.wait import wait_until
 
@@ -37,7 +38,9 @@ def call(name: str, **arguments: object) -> str:
 
 
 WRITE_HELLO = "echo hi > /workspace/hello.txt"
+SLEEP = "sleep 100"
 SCRIPT = [
+    {"match": "HARNESS-SLEEP", "samples": [[call("sh", cmd=SLEEP), "Done."]]},
     {"match": "AGENTS-SDK", "samples": [[call("lookup", key="sum"), "It is \\boxed{4}."]]},
     {"match": "SESSION-WRONG", "samples": [["It is \\boxed{5}."]]},
     {
@@ -95,13 +98,12 @@ def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]
     }  # fmt: skip
 
 
-def open_session(stack: Stack, task: dict[str, Any], **body: Any) -> SessionOpened:
-    answer = httpx.post(f"{stack.gateway_url}/v1/sessions", json={"task": task, **body}, timeout=30)
-    assert answer.status_code == 201, answer.text
-    return SessionOpened.model_validate(answer.json())
+def open_session(client: RolloutClient, task: dict[str, Any]) -> SessionOpened:
+    return client.open_session({"task": task})
 
 
 def end(opened: SessionOpened, **body: Any) -> httpx.Response:
+    """The session's end, asked over plain HTTP with its key."""
     headers = {"Authorization": f"Bearer {opened.api_key}"}
     return httpx.post(f"{opened.base_url}/end", json=body, headers=headers, timeout=30)
 
@@ -132,7 +134,7 @@ async def test_an_openai_agents_sdk_program_drives_a_session_graded_by_the_task(
         looked_up.append(key)
         return "2+2 is 4"
 
-    opened = open_session(stack, MATH)
+    opened = open_session(client, MATH)
     model = OpenAIChatCompletionsModel(
         model="policy",
         openai_client=AsyncOpenAI(base_url=opened.openai_base_url, api_key=opened.api_key),
@@ -156,7 +158,7 @@ async def test_an_openai_agents_sdk_program_drives_a_session_graded_by_the_task(
 def test_a_session_ended_with_its_own_reward_keeps_it(stack: Stack, client: RolloutClient) -> None:
     from openai import OpenAI
 
-    opened = open_session(stack, {**MATH, "problem": "SESSION-WRONG"})
+    opened = open_session(client, {**MATH, "problem": "SESSION-WRONG"})
     sdk = OpenAI(base_url=opened.openai_base_url, api_key=opened.api_key)
     answer = sdk.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "SESSION-WRONG: 2+2?"}]
@@ -172,8 +174,8 @@ def test_a_key_opens_only_its_own_session_and_only_while_it_runs(
 ) -> None:
     from openai import AuthenticationError, NotFoundError, OpenAI
 
-    mine = open_session(stack, MATH)
-    other = open_session(stack, MATH)
+    mine = open_session(client, MATH)
+    other = open_session(client, MATH)
     thief = OpenAI(base_url=mine.openai_base_url, api_key=other.api_key, max_retries=0)
     with pytest.raises(AuthenticationError):
         thief.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
@@ -195,15 +197,11 @@ def test_a_session_refuses_agent_command_at_submission(stack: Stack) -> None:
 def test_a_session_runs_the_tasks_tools_in_its_sandbox_and_grades_them(
     stack: Stack, client: RolloutClient
 ) -> None:
-    opened = open_session(stack, BOX)
+    opened = open_session(client, BOX)
     assert opened.tools is not None and "bash" in {t["function"]["name"] for t in opened.tools}
-    headers = {"Authorization": f"Bearer {opened.api_key}"}
-    command = {"command": "echo hi > /workspace/hello.txt && cat hello.txt"}
-    ran = httpx.post(f"{opened.base_url}/tools/bash", headers=headers, json=command, timeout=60)
-    assert ran.status_code == 200, ran.text
-    assert ran.json()["text"].strip() == "hi"
-    assert end(opened, grade=True).status_code == 200
-    traj = finished(client, opened.job_id)
+    ran = client.session_tool(opened, "bash", command="echo hi > hello.txt && cat hello.txt")
+    assert ran["text"].strip() == "hi"
+    traj = client.end_session(opened, timeout=60)
     assert traj.status is JobStatus.completed and traj.reward == 1.0, traj.error
     assert sequences(traj)[0].prompt_ids == []  # no model call was made
 
@@ -225,7 +223,7 @@ def test_a_harness_in_the_box_solves_the_task_through_its_endpoint(client: Rollo
 
 @needs_bwrap
 def test_a_box_cannot_use_another_jobs_key(stack: Stack, client: RolloutClient) -> None:
-    other = open_session(stack, MATH)
+    other = open_session(client, MATH)
     thief = {"command": f"OPENAI_API_KEY={other.api_key} {sys.executable} /workspace/agent.py"}
     traj = client.submit_rollout(HARNESS_TASK, agent=thief, wait=True, timeout=120)
     end(other, reward=0.0)
@@ -255,3 +253,30 @@ def test_mini_swe_agent_in_its_box_earns_1_for_the_gold_patch_and_0_for_the_wron
         assert traj.stop_reason == "harness_exit" and traj.segments == []
     assert (gold.reward, wrong.reward) == (1.0, 0.0), (gold.eval, wrong.eval)
     assert gold.outcome["patch"].strip() == tasks[0]["patch"].strip()
+
+
+def _slow_task() -> dict[str, Any]:
+    return {**HARNESS_TASK, "instruction": "HARNESS-SLEEP: take your time."}
+
+
+@needs_bwrap
+def test_a_cancelled_harness_job_stops_its_harness_and_leaves_nothing_behind(
+    stack: Stack, client: RolloutClient
+) -> None:
+    job_id = client.submit_rollout(_slow_task(), agent=HARNESS_AGENT)
+    assert isinstance(job_id, str)
+    wait_until(lambda: len(client.get_rollout(job_id).turns) >= 1, 60, "the harness's first call")
+    client.cancel_rollout(job_id)
+    traj = finished(client, job_id)
+    assert traj.status is JobStatus.cancelled
+    wait_until(lambda: processes_mentioning(job_id) == [], 30, "the job's processes to end")
+
+
+@needs_bwrap
+def test_a_harness_past_the_jobs_time_budget_is_stopped_and_graded(client: RolloutClient) -> None:
+    agent = {**HARNESS_AGENT, "max_seconds": 8.0}
+    traj = client.submit_rollout(_slow_task(), agent=agent, wait=True, timeout=120)
+    assert isinstance(traj, Trajectory)
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.stop_reason == "time_budget" and traj.truncated
+    assert traj.harness is not None and traj.harness.timed_out and traj.reward == 0.0
