@@ -287,3 +287,21 @@ def test_a_one_segment_trajectory_has_no_segment_markers(
     turns = app_client.get(f"/ui/rollouts/{specs[0].job_id}/turns")
     assert 'id="segment-' not in page.text and "segment-start" not in turns.text
     assert 'id="tokens"' in page.text and "tokens?start=0" in page.text
+
+
+def test_viewer_shows_how_the_jobs_own_harness_ran(
+    app_client: TestClient, make_batch: MakeBatch, store: Any
+) -> None:
+    from core.schemas import HarnessRun
+    from tests.ui.conftest import trajectory_of
+
+    _, specs = make_batch(1, 1)
+    harness = HarnessRun(command="mini --task t", exit_code=3, stdout="step 1\nstep 2",
+                         stderr="format error <b>", calls=2, refused_calls=1)  # fmt: skip
+    traj = trajectory_of(specs[0], 0.0, harness=harness)
+    store.finish(specs[0].job_id, JobStatus.completed, traj)
+    page = app_client.get(f"/ui/rollouts/{specs[0].job_id}")
+    assert 'id="harness"' in page.text
+    assert "mini --task t" in page.text and "exit 3" in page.text
+    assert "2 model calls (1 refused)" in page.text
+    assert "step 1\nstep 2" in page.text and "format error &lt;b&gt;" in page.text
