@@ -145,3 +145,14 @@ def sequences(trajectory: Trajectory) -> list[Segment]:
         policy_versions=versions,
     )
     return [first, *trajectory.segments]
+
+
+def segments_and_turns(trajectory: Trajectory) -> list[tuple[Segment, list[Turn]]]:
+    """Every segment of the trajectory (`sequences`, the first included) with the turns it is
+    made of."""
+    parts = sequences(trajectory)
+    ends = [part.first_turn for part in parts[1:]] + [len(trajectory.turns)]
+    return [
+        (part, list(trajectory.turns[part.first_turn : end]))
+        for part, end in zip(parts, ends, strict=True)
+    ]

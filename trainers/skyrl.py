@@ -58,8 +58,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.client import AsyncRolloutClient
+from core.flatten import segments_and_turns
 from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
-from trainers.verl import explicit_task, plain, segments_and_turns, simple_task
+from trainers.verl import explicit_task, plain, simple_task
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.client import AsyncRolloutClient
-from core.flatten import sequences
+from core.flatten import segments_and_turns
 from core.schemas import EnvTurn, JobStatus, ModelTurn, Segment, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -238,19 +238,6 @@ def agent_loop_metrics(trajectory: Trajectory) -> dict[str, float | int]:
         "compute_score": float(timing.eval or 0.0),
         "num_preempted": -1,
     }
-
-
-def segments_and_turns(
-    trajectory: Trajectory,
-) -> list[tuple[Segment, Sequence[ModelTurn | EnvTurn]]]:
-    """Every segment of the trajectory (`core.flatten.sequences`, the first included) with the
-    turns it is made of."""
-    parts = sequences(trajectory)
-    ends = [part.first_turn for part in parts[1:]] + [len(trajectory.turns)]
-    return [
-        (part, trajectory.turns[part.first_turn : end])
-        for part, end in zip(parts, ends, strict=True)
-    ]
 
 
 def agent_loop_outputs(
@@ -638,6 +625,5 @@ __all__ = [
     "agent_loop_outputs",
     "run_rollout",
     "sampling_from_verl",
-    "segments_and_turns",
     "task_from_row",
 ]

@@ -13,8 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from core.flatten import sequences
-from core.schemas import SEGMENT_REASONS, Backend, EnvTurn, ModelTurn, Segment, Trajectory
+from core.flatten import segments_and_turns, sequences
+from core.schemas import SEGMENT_REASONS, Backend, ModelTurn, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,6 @@ class SegmentView:
     @property
     def total(self) -> int:
         return self.prompt + self.response
-
-
-def segments_and_turns(trajectory: Trajectory) -> list[tuple[Segment, list[ModelTurn | EnvTurn]]]:
-    """Every segment of the trajectory, the first included, with the turns it is made of."""
-    parts = sequences(trajectory)
-    ends = [part.first_turn for part in parts[1:]] + [len(trajectory.turns)]
-    return [
-        (part, list(trajectory.turns[part.first_turn : end]))
-        for part, end in zip(parts, ends, strict=True)
-    ]
 
 
 def segment_views(trajectory: Trajectory) -> list[SegmentView]:
