@@ -25,6 +25,7 @@ from api.ids import JobId
 from api.service import Services
 from broker.jobstore import JobNotFound
 from core.schemas import JobStatus, SessionOpened, SessionRequest
+from workers.harness.sessions import KEY_HASH
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 relay_router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -61,7 +62,7 @@ async def _address(svc: Services, job_id: str) -> tuple[JobStatus, str | None]:
     """Where the session is served, waiting while it starts."""
     deadline = time.monotonic() + svc.settings.session_wait
     while True:
-        status, url = await asyncio.to_thread(svc.store.session_address, job_id)
+        status, url = await asyncio.to_thread(svc.store.session_address, job_id, KEY_HASH)
         starting = status in (JobStatus.queued, JobStatus.init, JobStatus.run) and url is None
         if not starting or time.monotonic() >= deadline:
             return status, url

@@ -295,11 +295,11 @@ class Records(Trajectories):
             raise JobNotFound(job_id)
         return bool(result == 1)
 
-    def session_address(self, job_id: str) -> tuple[JobStatus, str | None]:
+    def session_address(self, job_id: str, marker: str) -> tuple[JobStatus, str | None]:
         """A session job's status and the address its RUN serves the session at (None while
-        it is not served)."""
-        status, url = self.r.hmget(self._job(job_id), ["status", "session_url"])
-        if status is None:
+        it is not served). A job whose `agent` lacks `marker` is no session: JobNotFound."""
+        status, url, agent = self.r.hmget(self._job(job_id), ["status", "session_url", "agent"])
+        if status is None or agent is None or marker not in json.loads(agent):
             raise JobNotFound(job_id)
         return JobStatus(text(status)), (text(url) or None) if url else None
 

@@ -280,3 +280,9 @@ def test_a_harness_past_the_jobs_time_budget_is_stopped_and_graded(client: Rollo
     assert traj.status is JobStatus.completed, traj.error
     assert traj.stop_reason == "time_budget" and traj.truncated
     assert traj.harness is not None and traj.harness.timed_out and traj.reward == 0.0
+
+
+def test_a_job_that_is_no_session_is_not_relayed(stack: Stack, client: RolloutClient) -> None:
+    job_id = client.submit_rollout(MATH)
+    answer = httpx.get(f"{stack.gateway_url}/v1/sessions/{job_id}/v1/models", timeout=10)
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error"
