@@ -162,10 +162,10 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         shell.halt()
         trajectory.outcome = handler.collect_outcome(record.task, shell)
         trajectory.egress = read_events(Path(record.sandbox["state_dir"]))
-    if isinstance(episode, HarnessEpisode) and episode.reward is not None:
-        trajectory.outcome[SESSION_REWARD] = episode.reward  # after the box's own outcome
         if not handler.grades_in_sandbox:
             rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
+    if isinstance(episode, HarnessEpisode) and episode.reward is not None:
+        trajectory.outcome[SESSION_REWARD] = episode.reward  # after the box's own outcome
     rt.store.save_partial(job_id, trajectory)
     rt.store.stage_finished(job_id, "run", time.perf_counter() - started)
     return True

@@ -203,6 +203,7 @@ def test_a_session_runs_the_tasks_tools_in_its_sandbox_and_grades_them(
     assert ran["text"].strip() == "hi"
     traj = client.end_session(opened, timeout=60)
     assert traj.status is JobStatus.completed and traj.reward == 1.0, traj.error
+    wait_until(lambda: processes_mentioning(traj.job_id) == [], 30, "the session's box to go")
     assert sequences(traj)[0].prompt_ids == []  # no model call was made
 
 
@@ -219,6 +220,7 @@ def test_a_harness_in_the_box_solves_the_task_through_its_endpoint(client: Rollo
     assert traj.segments == [], [s.reason for s in traj.segments]
     assert traj.turns[0].tool_calls == [{"name": "sh", "arguments": {"cmd": WRITE_HELLO}}]
     assert "OPENAI_API_KEY" not in traj.model_dump_json()
+    wait_until(lambda: processes_mentioning(traj.job_id) == [], 30, "the job's box to go")
 
 
 @needs_bwrap
@@ -253,6 +255,8 @@ def test_mini_swe_agent_in_its_box_earns_1_for_the_gold_patch_and_0_for_the_wron
         assert traj.stop_reason == "harness_exit" and traj.segments == []
     assert (gold.reward, wrong.reward) == (1.0, 0.0), (gold.eval, wrong.eval)
     assert gold.outcome["patch"].strip() == tasks[0]["patch"].strip()
+    ids = [gold.job_id, wrong.job_id]
+    wait_until(lambda: all(processes_mentioning(i) == [] for i in ids), 30, "the jobs' boxes to go")
 
 
 def _slow_task() -> dict[str, Any]:
