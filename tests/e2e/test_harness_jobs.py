@@ -290,3 +290,21 @@ def test_a_job_that_is_no_session_is_not_relayed(stack: Stack, client: RolloutCl
     job_id = client.submit_rollout(MATH)
     answer = httpx.get(f"{stack.gateway_url}/v1/sessions/{job_id}/v1/models", timeout=10)
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error"
+
+
+def test_the_anthropic_sdk_streams_a_sessions_answer_recorded_as_its_ids(
+    client: RolloutClient,
+) -> None:
+    from anthropic import Anthropic
+
+    opened = open_session(client, {**MATH, "problem": "SESSION-WRONG"})
+    sdk = Anthropic(base_url=opened.anthropic_base_url, api_key=opened.api_key, max_retries=0)
+    question = [{"role": "user", "content": "SESSION-WRONG: 2+2?"}]
+    with sdk.messages.stream(model="policy", max_tokens=64, system="Be brief.",
+                             messages=question) as stream:  # fmt: skip
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "It is \\boxed{5}." and final.stop_reason == "end_turn"
+    traj = client.end_session(opened, reward=0.0, timeout=60)
+    assert traj.turns[0].text.startswith(text)  # the recorded text keeps the stop token
+    assert final.usage.output_tokens == len(traj.turns[0].output_ids)
