@@ -79,6 +79,7 @@ def test_every_benchmark_main_ends_by_printing_its_json() -> None:
         "chaos.py",
         "dapo.py",
         "pipeline.py",
+        "proxy.py",
         "routing.py",
         "routing_vllm.py",
         "scale.py",
