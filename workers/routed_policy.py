@@ -4,7 +4,8 @@
 each request it asks the pool where the job's requests go — the same backend while it takes
 work (sticky, so the prefix cache is reused), the least-loaded one once it is drained or lost —
 and after each request it gives up a backend that no longer takes work, so a drained backend
-is idle as soon as its running requests end. A request lost with its backend (connection
+is idle as soon as its running requests end. Templating and decoding, which every backend of
+the pool answers alike, go to the backend the job holds without a routing round trip. A request lost with its backend (connection
 refused or reset, no answer, or a 5xx after the client's own retries) marks that backend dead
 and is re-sent elsewhere: the turn is not lost, its prompt simply prefills on the new backend.
 While no backend takes work (every one draining for a weight update) the job waits between
@@ -206,10 +207,21 @@ class RoutedPolicy:
                 task.cancel()
 
     async def _with_failover(
-        self, call: Callable[[Backend, Any, ChatTemplater], Awaitable[T]]
+        self, call: Callable[[Backend, Any, ChatTemplater], Awaitable[T]], *, route: bool = True
     ) -> T:
         """Run `call` on the job's backend; when the backend is lost, mark it dead and run it
-        again on the one the job moves to (at most `failovers` times)."""
+        again on the one the job moves to (at most `failovers` times). Without `route`, a
+        job that has a backend already asks it directly, without a routing round trip (for
+        templating and decoding, which every backend of the pool answers alike), and is
+        routed only when that fails."""
+        if not route and self.backend is not None:
+            client, templater = self.clients_of(self.backend)
+            try:
+                return await call(self.backend, client, templater)
+            except BackendError as exc:
+                if not exc.retryable:
+                    raise
+                # Lost, or busy loading weights: route as any request does (and wait there).
         attempt = 0
         while True:
             backend, client, templater = await self._route()
@@ -298,7 +310,7 @@ class RoutedPolicy:
         async def call(_b: Backend, client: Any, _t: ChatTemplater) -> str:
             return str(await client.detokenize(ids))
 
-        return await self._with_failover(call)
+        return await self._with_failover(call, route=False)
 
     # ------------------------------------------------------------------ templater
 
@@ -308,7 +320,7 @@ class RoutedPolicy:
         async def call(_b: Backend, _c: Any, templater: ChatTemplater) -> list[int]:
             return await templater.prompt_ids(messages, tools)
 
-        return await self._with_failover(call)
+        return await self._with_failover(call, route=False)
 
     async def continuation_ids(
         self,
@@ -319,4 +331,4 @@ class RoutedPolicy:
         async def call(_b: Backend, _c: Any, templater: ChatTemplater) -> list[int]:
             return await templater.continuation_ids(last_output_ids, messages, tools)
 
-        return await self._with_failover(call)
+        return await self._with_failover(call, route=False)

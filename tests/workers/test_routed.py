@@ -218,3 +218,47 @@ def test_routing_checks_the_jobs_record_in_the_same_round_trip(
     with pytest.raises(JobCancelled):
         asyncio.run(policy.complete([1], max_tokens=2))
     assert len(clients["a"].calls) == 1 and pool.in_flight() == {"a": 0}
+
+
+class Decoding(FakeClient):
+    """Also decodes ids (its name and the ids), or fails to as told."""
+
+    fail_decoding = False
+
+    async def detokenize(self, ids: list[int]) -> str:
+        if self.fail_decoding:
+            raise BackendError("ConnectError: refused", url=f"http://{self.name}")
+        return f"{self.name}:{ids}"
+
+
+def test_decoding_asks_the_jobs_backend_without_routing_again(
+    pool: BackendPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register(pool, "a")
+    clients: dict[str, FakeClient] = {"a": Decoding("a")}
+    policy = routed(pool, clients)
+    routes: list[str] = []
+    route = pool.route
+    monkeypatch.setattr(pool, "route", lambda *a, **k: routes.append("route") or route(*a, **k))
+
+    async def turn() -> str:
+        await policy.complete([1], max_tokens=2)
+        return await policy.detokenize([5])
+
+    assert asyncio.run(turn()) == "a:[5]"
+    assert routes == ["route"]  # the request's only
+
+
+def test_decoding_on_a_backend_that_fails_routes_as_a_request_does(pool: BackendPool) -> None:
+    register(pool, "a")
+    register(pool, "b")
+    a, b = Decoding("a"), Decoding("b")
+    policy = routed(pool, {"a": a, "b": b})
+
+    async def turn() -> str:
+        await policy.complete([1], max_tokens=2)
+        a.fail_decoding = True
+        return await policy.detokenize([5])
+
+    assert asyncio.run(turn()) == "b:[5]"
+    assert pool.get("a").state == "dead"  # type: ignore[union-attr]
