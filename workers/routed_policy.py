@@ -5,13 +5,14 @@ each request it asks the pool where the job's requests go — the same backend w
 work (sticky, so the prefix cache is reused), the least-loaded one once it is drained or lost —
 and after each request it gives up a backend that no longer takes work, so a drained backend
 is idle as soon as its running requests end. Templating and decoding, which every backend of
-the pool answers alike, go to the backend the job holds without a routing round trip. A request lost with its backend (connection
-refused or reset, no answer, or a 5xx after the client's own retries) marks that backend dead
-and is re-sent elsewhere: the turn is not lost, its prompt simply prefills on the new backend.
-While no backend takes work (every one draining for a weight update) the job waits between
-turns, up to `backend_wait` seconds. A 4xx is the request's fault and is raised as it is, the
-backend left alone: a prompt refused for an id outside the vocabulary
-(`routing.vllm.OutOfVocabularyError`) ends the episode in the agent loop, not the backend.
+the pool answers alike, go to the backend the job holds without a routing round trip. A
+request lost with its backend (connection refused or reset, no answer, or a 5xx after the
+client's own retries) marks that backend dead and is re-sent elsewhere: the turn is not lost,
+its prompt simply prefills on the new backend. While no backend takes work (every one
+draining for a weight update) the job waits between turns, up to `backend_wait` seconds. A
+4xx is the request's fault and is raised as it is, the backend left alone: a prompt refused
+for an id outside the vocabulary (`routing.vllm.OutOfVocabularyError`) ends the episode in the
+agent loop, not the backend.
 
 The job's liveness is checked before each request and every `poll` seconds while one runs: a
 cancelled job's in-flight request is aborted (its HTTP connection closed, which is how vLLM
