@@ -153,6 +153,8 @@ async def test_an_openai_agents_sdk_program_drives_a_session_graded_by_the_task(
     assert traj.segments == [], [s.reason for s in traj.segments]
     assert traj.harness is not None and traj.harness.calls == 2
     assert opened.api_key not in traj.model_dump_json()
+    logs = [p.read_text(errors="replace") for p in (stack.settings.data_dir / "logs").glob("*")]
+    assert logs and not any(opened.api_key in text for text in logs)
 
 
 def test_a_session_ended_with_its_own_reward_keeps_it(stack: Stack, client: RolloutClient) -> None:

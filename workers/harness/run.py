@@ -90,28 +90,29 @@ async def run_harness_episode(
     state_dir = Path(str(job.sandbox["state_dir"]))
     paths = endpoint_paths(state_dir)
     paths.directory.joinpath(INSTRUCTION_FILE).write_text(job.instruction)
-    runner = await serve_unix(make_app(find), str(paths.socket))
-    open_socket(paths, job.sandbox)
     # The forwarder in the box sets OPENAI_BASE_URL and ANTHROPIC_BASE_URL to its port.
     env = {"ROLLSERVE_INSTRUCTION_FILE": f"{ENDPOINT_DIR_INSIDE}/{INSTRUCTION_FILE}"}
-    timeout = _timeout(limits, time_limit)
-    harness = asyncio.ensure_future(
-        asyncio.to_thread(
-            run_harness,
-            job.sandbox,
-            ["bash", "-c", job.command],
-            env=env,
-            api_key=key,
-            port=job.port,
-            timeout=timeout,
-            max_output=HARNESS_OUTPUT_LIMIT,
-        )
-    )
+    runner = await serve_unix(make_app(find), str(paths.socket))
+    harness: asyncio.Future[ExecResult] | None = None
     try:
+        open_socket(paths, job.sandbox)
+        harness = asyncio.ensure_future(
+            asyncio.to_thread(
+                run_harness,
+                job.sandbox,
+                ["bash", "-c", job.command],
+                env=env,
+                api_key=key,
+                port=job.port,
+                timeout=_timeout(limits, time_limit),
+                max_output=HARNESS_OUTPUT_LIMIT,
+            )
+        )
         await wait_watched(harness, session, is_live)
         result = harness.result()
     except BaseException:
-        await _stop(harness, job.sandbox)
+        if harness is not None:
+            await _stop(harness, job.sandbox)
         raise
     finally:
         await stop_server(runner)
