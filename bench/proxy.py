@@ -95,6 +95,7 @@ import httpx
 import redis
 from aiohttp import web
 
+from bench.support.devserver import devserver_env
 from bench.support.plot import add_figure_option, write_figure
 from bench.support.report import print_json
 from broker.connections import redis_client
@@ -433,16 +434,7 @@ def rig(work: Path, model_dir: Path, sizes: Sizes) -> Iterator[Rig]:
         argv = [sys.executable, "-m", "routing.devserver", "--model", str(model_dir)]
         argv += ["--port", str(port), "--served-model-name", SERVED, "--script", str(script_path)]
         argv += ["--unscored", "--max-model-len", str(max_model_len)]
-        env = dict(os.environ)
-        env.update(
-            TMPDIR=str(home / "tmp"),
-            TORCHINDUCTOR_CACHE_DIR=str(home / "inductor"),
-            TIKTOKEN_CACHE_DIR="",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            HF_HOME=str(home / "hf"),
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        )
+        env = devserver_env(home)
         log = home / "server.log"
         server = spawn(argv, env=env, cwd=str(REPO), log_path=str(log))
         stack.callback(stop_group, server)

@@ -94,6 +94,7 @@ from typing import Any
 
 import httpx
 
+from bench.support.devserver import devserver_env
 from bench.support.engines import Engine, EngineUnavailable, start_engines, stop_engines
 from bench.support.plot import add_figure_option, measured, write_figure
 from bench.support.report import failed_baseline, finite, print_json
@@ -860,16 +861,7 @@ def start_server(
         path = home / "script.jsonl"
         path.write_text("".join(json.dumps(entry) + "\n" for entry in script))
         argv += ["--script", str(path)]
-    env = dict(os.environ)
-    env.update(
-        TMPDIR=str(home / "tmp"),
-        TORCHINDUCTOR_CACHE_DIR=str(home / "inductor"),
-        TIKTOKEN_CACHE_DIR="",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HOME=str(home / "hf"),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
+    env = devserver_env(home)
     # Two servers share the machine: one compute thread each. With more threads than free
     # cores, torch's OpenMP workers wait on each other and a call gets several times slower.
     env.setdefault("OMP_NUM_THREADS", "1")
