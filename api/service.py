@@ -238,8 +238,14 @@ def _enqueue(
         raise RequestError(503, str(exc)) from exc
 
 
-def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonymous") -> str:
-    """Validate and enqueue one job; returns its id."""
+def _enqueue_one(
+    svc: Services,
+    request: RolloutRequest | SessionRequest,
+    tenant: str,
+    agent_fields: dict[str, Any] | None = None,
+) -> str:
+    """Validate the request's one job and enqueue it, with `agent_fields` beside its
+    resolved agent parameters; returns its id."""
     validate_task(request.task, ["body", "task"])
     check_harness(request.agent, request.task, ["body", "task"])
     check_task_size(svc, request.task, ["body", "task"])
@@ -251,11 +257,16 @@ def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonym
         data_source=request.task.data_source,
         instance_id=instance_id_of(request.task),
         sampling=resolve_sampling(request.sampling, svc.settings),
-        agent=resolve_agent(request.agent, svc.settings),
+        agent=resolve_agent(request.agent, svc.settings) | (agent_fields or {}),
         group_id=uuid.uuid4().hex,
     )
     _enqueue(svc, [spec], None, 1, tenant)
     return spec.job_id
+
+
+def submit_rollout(svc: Services, request: RolloutRequest, tenant: str = "anonymous") -> str:
+    """Validate and enqueue one job; returns its id."""
+    return _enqueue_one(svc, request, tenant)
 
 
 def open_session(
@@ -263,32 +274,17 @@ def open_session(
 ) -> SessionOpened:
     """Validate and enqueue a session's job; its key is made here and shown only in the
     answer (the job keeps its SHA-256)."""
-    validate_task(request.task, ["body", "task"])
-    check_task_size(svc, request.task, ["body", "task"])
-    _require_backend(svc)
-    check_token_limits(svc, request.sampling, ["body", "sampling"])
-    check_quota(svc, tenant, 1)
     key = secrets.token_urlsafe(32)
-    agent = resolve_agent(request.agent, svc.settings)
-    agent[sessions.KEY_HASH] = sessions.key_hash(key)
-    agent[sessions.IDLE] = request.idle_seconds
-    spec = JobSpec(
-        task=request.task.model_dump(),
-        data_source=request.task.data_source,
-        instance_id=instance_id_of(request.task),
-        sampling=resolve_sampling(request.sampling, svc.settings),
-        agent=agent,
-        group_id=uuid.uuid4().hex,
-    )
-    _enqueue(svc, [spec], None, 1, tenant)
+    fields = {sessions.KEY_HASH: sessions.key_hash(key), sessions.IDLE: request.idle_seconds}
+    job_id = _enqueue_one(svc, request, tenant, fields)
     handler = get_handler(request.task.data_source)
     tools = None
     if handler.needs_sandbox:
-        declared = handler.tools(spec.task) or []
+        declared = handler.tools(request.task.model_dump()) or []
         tools = [t for t in declared if (t.get("function") or t).get("name") != "finish"]
-    root = f"{base_url.rstrip('/')}/v1/sessions/{spec.job_id}"
+    root = f"{base_url.rstrip('/')}/v1/sessions/{job_id}"
     return SessionOpened(
-        job_id=spec.job_id,
+        job_id=job_id,
         base_url=root,
         openai_base_url=f"{root}/v1",
         anthropic_base_url=root,
