@@ -164,8 +164,11 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         trajectory.egress = read_events(Path(record.sandbox["state_dir"]))
         if not handler.grades_in_sandbox:
             rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
-    if isinstance(episode, HarnessEpisode) and episode.reward is not None:
-        trajectory.outcome[SESSION_REWARD] = episode.reward  # after the box's own outcome
+    if isinstance(episode, HarnessEpisode):
+        # Only a session's caller gives this reward: whatever the box's outcome said is dropped.
+        trajectory.outcome.pop(SESSION_REWARD, None)
+        if episode.reward is not None:
+            trajectory.outcome[SESSION_REWARD] = episode.reward
     rt.store.save_partial(job_id, trajectory)
     rt.store.stage_finished(job_id, "run", time.perf_counter() - started)
     return True

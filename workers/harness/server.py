@@ -131,7 +131,8 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
-async def _json_body(request: web.Request) -> Any:
+async def json_body(request: web.Request) -> Any:
+    """The request's body as JSON (strict: no NaN or Infinity); `ApiError` otherwise."""
     body = await request.read()  # over the app's `client_max_size`: HTTPRequestEntityTooLarge
     try:
         return json.loads(body, parse_constant=_refuse_constant)
@@ -142,7 +143,7 @@ async def _json_body(request: web.Request) -> Any:
 def _generate_route(shape: _Shape) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         endpoint = await endpoint_of(request)
-        chat = shape.parse_request(await _json_body(request))
+        chat = shape.parse_request(await json_body(request))
         result = await endpoint.generate(chat)
         log.debug(
             "%s: %d+%d tokens, %s",

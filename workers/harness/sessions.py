@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from core.schemas import HarnessRun, SessionEnd
 from sandbox.toolclient import AsyncToolClient
 from workers.agent import Limits
 from workers.harness.run import HarnessEpisode, wait_watched
-from workers.harness.server import endpoint_of, make_app, serve_tcp, stop_server
+from workers.harness.server import endpoint_of, json_body, make_app, serve_tcp, stop_server
 from workers.harness.session import HarnessSession, RoutedModel
 from workers.harness.toolparsers import get_parser
 from workers.harness.wire import ApiError, ChatRequest, ChatResult
@@ -136,10 +135,7 @@ def session_app(outside: OutsideSession) -> web.Application:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read() or b"{}")
-    except ValueError as exc:
-        raise ApiError("invalid_request", f"the body is not valid JSON ({exc})") from None
+    body = await json_body(request) if await request.read() else {}
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the body must be a JSON object")
     return body
