@@ -7,15 +7,17 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from routing.protocol import Completion, KnowsRefusedIds, PolicyClient
 from routing.vllm import OutOfVocabularyError
 from sandbox.base import SandboxSecurityError
 from workers.conversation import Conversation, Templater
 from workers.handlers.base import Handler
-from workers.toolcalls import ParsedCalls, format_result, parse_tool_calls
+from workers.toolcalls import ParsedCalls, bounded_arguments, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
+
+T = TypeVar("T")
 
 
 class ToolRunner(Protocol):
@@ -42,6 +44,12 @@ class Limits:
     def time_left(self) -> float | None:
         """Seconds until the deadline (0 once past it), or None without one."""
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def tool_bound(self) -> float:
+        """Most seconds a tool call may run now: `tool_timeout`, and no later than the
+        deadline."""
+        left = self.time_left()
+        return self.tool_timeout if left is None else min(self.tool_timeout, left)
 
 
 @dataclass
@@ -111,8 +119,11 @@ async def run_episode(
             step_started = time.perf_counter()
             try:
                 _cut_by_bounds(completion, builder, context, limits, max_tokens)
-                replies = await _react(handler, task, completion.text, turn, parsed, declared,
-                                       runner, limits.tool_timeout)  # fmt: skip
+                replies = await _within_budget(
+                    _react(handler, task, completion.text, turn, parsed, declared, runner,
+                           limits.tool_bound()),
+                    limits,
+                )  # fmt: skip
             finally:
                 await _saved(saving)  # saved before anything else is (or the episode ends)
             if turn == limits.max_turns - 1:
@@ -179,6 +190,17 @@ async def _call(
     except OutOfVocabularyError as exc:
         if _generated_refused(builder, exc):
             raise _Stop("invalid_token", truncated=False) from None
+        raise
+
+
+async def _within_budget(work: Awaitable[T], limits: Limits) -> T:
+    """The environment's step, cut off at the deadline: tool time counts against the job's
+    time budget as model time does."""
+    try:
+        return await asyncio.wait_for(work, timeout=limits.time_left())
+    except TimeoutError:
+        if limits.time_left() == 0:
+            raise _Stop("time_budget", truncated=True) from None
         raise
 
 
@@ -252,9 +274,7 @@ async def _run_calls(
             known = ", ".join(sorted(n for n in declared if n))
             content = f"Error: there is no tool {call.name!r}; the tools are: {known}"
         else:
-            arguments = dict(call.arguments)
-            if call.name in ("bash", "ipython"):
-                arguments.setdefault("timeout", timeout)
+            arguments = bounded_arguments(call.name, call.arguments, timeout)
             try:
                 content = format_result(call.name, await runner.call(call.name, **arguments))
             except SandboxSecurityError:

@@ -53,13 +53,63 @@ def free(
       broadcast to that node's workers), or left to that node's reaper without it;
     - `task_id`: clear the stage mark of that task (once it has stopped).
 
-    Returns whose sandbox was stopped here and whose lives on another node.
+    Returns whose sandbox was stopped here and whose lives on another node. A job whose
+    freeing fails (Redis away, a keeper that cannot be reached) does not stop the others: every
+    job is tried, and then the first failure is raised (`FreeFailed`, naming the jobs).
     """
     freed = Freed()
+    failed: dict[str, Exception] = {}
     for job_id in job_ids:
-        if slot:
+        try:
+            _free_one(store, pool, node, job_id, freed, slot=slot, sandbox=sandbox, task_id=task_id)
+        except Exception as exc:
+            log.warning("freeing what job %s holds failed: %s", job_id, exc)
+            failed[job_id] = exc
+    if freed.elsewhere and elsewhere is not None:
+        try:
+            elsewhere(freed.elsewhere)
+        except Exception as exc:
+            log.warning(
+                "the release of %d sandboxes on other nodes failed: %s", len(freed.elsewhere), exc
+            )
+            failed.update(dict.fromkeys(freed.elsewhere, exc))
+    if failed:
+        raise FreeFailed(failed)
+    return freed
+
+
+class FreeFailed(Exception):
+    """What some jobs hold could not all be freed; the other jobs were. `failures` maps each
+    such job to its error (the first is the cause)."""
+
+    def __init__(self, failures: dict[str, Exception]) -> None:
+        self.failures = failures
+        first = next(iter(failures.values()))
+        super().__init__(f"freeing {len(failures)} job(s) failed ({', '.join(failures)}): {first}")
+        self.__cause__ = first
+
+
+def _free_one(
+    store: JobStore,
+    pool: BackendPool,
+    node: str,
+    job_id: str,
+    freed: Freed,
+    *,
+    slot: bool,
+    sandbox: bool,
+    task_id: str,
+) -> None:
+    """Every step for one job; each is tried even when an earlier one failed, and the first
+    failure is raised after."""
+    errors: list[Exception] = []
+    if slot:
+        try:
             pool.release(job_id)
-        if sandbox:
+        except Exception as exc:
+            errors.append(exc)
+    if sandbox:
+        try:
             try:
                 kept = store.get(job_id, task=False).sandbox
             except JobNotFound:
@@ -70,8 +120,12 @@ def free(
                 freed.here.append(job_id)
             elif kept is not None:
                 freed.elsewhere.append(job_id)
-        if task_id:
+        except Exception as exc:
+            errors.append(exc)
+    if task_id:
+        try:
             store.stage_end(job_id, task_id)
-    if freed.elsewhere and elsewhere is not None:
-        elsewhere(freed.elsewhere)
-    return freed
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]

@@ -144,8 +144,8 @@ class JobsLoop:
                 self.on_ignored(job_id)
             except Exception:
                 log.exception("reporting job %s's ignored cancellation failed", job_id)
-        except BaseException:
-            return
+        except (concurrent.futures.CancelledError, Exception):
+            return  # the task ended, however: that is all the cancel waited for
 
     # ------------------------------------------------------------------ what is known
 

@@ -22,7 +22,6 @@ aborts; SGLang is also sent `/abort_request`) and `JobCancelled` ends the episod
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -33,6 +32,7 @@ from routing.chat import ChatTemplater
 from routing.pool import BackendPool, JobEnded, NoHealthyBackendError
 from routing.protocol import Completion
 from routing.vllm import BackendError
+from workers.aio import settle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -180,8 +180,7 @@ class RoutedPolicy:
             try:
                 return await work
             except asyncio.CancelledError:
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(on_cancel(), timeout=5)
+                await settle(on_cancel(), timeout=5)
                 raise
         task = asyncio.ensure_future(work)
         try:
@@ -191,17 +190,14 @@ class RoutedPolicy:
                     return task.result()
                 if not self.is_live():
                     task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                    with contextlib.suppress(Exception):
-                        await on_cancel()
+                    await settle(task)
+                    await settle(on_cancel())
                     raise JobCancelled(f"job {self.job_id} was cancelled during a request")
         except asyncio.CancelledError:
             # The job's own task was cancelled (a many-jobs worker ends jobs so): the engine
             # is told too, as it is when the poll finds the job ended.
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(on_cancel(), timeout=5)
+            await settle(on_cancel(), timeout=5)
             raise
         finally:
             if not task.done():

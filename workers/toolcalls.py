@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,3 +79,25 @@ def format_result(name: str, result: dict[str, Any]) -> str:
     if "output" in result:
         return str(result["output"])
     return json.dumps(result)
+
+
+TIMED_TOOLS = ("bash", "ipython")
+"""Tools whose calls run for a `timeout` the service always sets."""
+
+
+def bounded_arguments(name: str, arguments: dict[str, Any], bound: float) -> dict[str, Any]:
+    """The call's arguments with its `timeout` at most `bound` seconds: the model may ask for
+    less, never for more (nor for an invalid value, which becomes the bound); a timed tool
+    that names none gets the bound."""
+    bounded = dict(arguments)
+    if name not in TIMED_TOOLS and "timeout" not in bounded:
+        return bounded
+    asked = bounded.get("timeout")
+    valid = (
+        isinstance(asked, (int, float))
+        and not isinstance(asked, bool)
+        and math.isfinite(asked)
+        and asked > 0
+    )
+    bounded["timeout"] = min(float(asked), bound) if valid else bound  # type: ignore[arg-type]
+    return bounded

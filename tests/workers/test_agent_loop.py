@@ -552,3 +552,40 @@ async def test_a_model_call_running_past_the_time_budget_is_cut_off() -> None:
     assert episode.builder.response_ids[0] == 5  # the first turn is kept, the second cut
     assert [t.type for t in episode.builder.turns] == ["model", "env"]
     assert time.monotonic() - started < 30
+
+
+@dataclass
+class SleepyTools(FakeTools):
+    """A tool server whose calls take as long as the timeout they were given."""
+
+    async def call(self, tool: str, **args: Any) -> dict[str, Any]:
+        self.calls.append((tool, args))
+        await asyncio.sleep(float(args.get("timeout", 0)))
+        return {"output": "", "exit_code": 0}
+
+
+async def test_a_timeout_the_model_asks_for_is_bounded_by_the_tool_timeout() -> None:
+    asked = [10**9, "forever", True, -1, float("nan"), 0, 5]
+    text = "".join(call("bash", command="sleep 1", timeout=t) for t in asked[:3])
+    text += "".join(call("ipython", code="1", timeout=t) for t in asked[3:])
+    tools = FakeTools()
+    await run_shell([Say(text, [1]), Say(call("finish"), [2])], tools, tool_timeout=30.0)
+    # more than the bound, or not a positive number of seconds: the bound; less: as asked
+    assert [args["timeout"] for _, args in tools.calls] == [30.0] * 6 + [5]
+
+
+async def test_tool_time_counts_against_the_time_budget() -> None:
+    """A tool call still running at the job's deadline is cut off there, and its timeout
+    never reaches past the deadline."""
+    tools = SleepyTools()
+    started = time.monotonic()
+    episode, policy, _ = await run_shell(
+        [Say(call("bash", command="sleep 600"), [1]), Say(call("finish"), [2])],
+        tools,
+        tool_timeout=600.0,
+        deadline=time.monotonic() + 0.5,
+    )
+    assert (episode.stop_reason, episode.truncated) == ("time_budget", True)
+    assert len(policy.requests) == 1  # no call after the budget ran out
+    assert tools.calls[0][1]["timeout"] <= 0.5
+    assert time.monotonic() - started < 60

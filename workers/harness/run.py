@@ -26,6 +26,7 @@ from sandbox.base import ENDPOINT_DIR_INSIDE, ExecResult
 from sandbox.endpointdir import endpoint_paths, open_socket
 from sandbox.keeper import halt, run_harness
 from workers.agent import Episode, Limits
+from workers.aio import settle
 from workers.harness.server import make_app, serve_unix, stop_server
 from workers.harness.session import HarnessSession, RoutedModel
 from workers.harness.toolparsers import get_parser
@@ -165,8 +166,7 @@ async def _stop(harness: asyncio.Future[ExecResult], sandbox: dict[str, Any]) ->
         return
     with contextlib.suppress(Exception):
         await asyncio.to_thread(halt, sandbox)
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(asyncio.shield(harness), timeout=30)
+    await settle(asyncio.shield(harness), timeout=30)
 
 
 def _episode(job: HarnessJob, session: HarnessSession, result: ExecResult) -> HarnessEpisode:

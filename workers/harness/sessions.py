@@ -31,7 +31,7 @@ from workers.harness.server import endpoint_of, json_body, make_app, serve_tcp, 
 from workers.harness.session import HarnessSession, RoutedModel
 from workers.harness.toolparsers import get_parser
 from workers.harness.wire import ApiError, ChatRequest, ChatResult
-from workers.toolcalls import format_result
+from workers.toolcalls import bounded_arguments, format_result
 from workers.trajectory import TrajectoryBuilder
 
 KEY_HASH = "session_key_sha256"
@@ -89,10 +89,9 @@ class OutsideSession:
         if self.tools is None or name not in self.declared or name == "finish":
             known = ", ".join(sorted(n for n in self.declared if n and n != "finish"))
             raise ApiError("not_found", f"the session has no tool {name!r}; its tools: {known}")
-        if name in ("bash", "ipython"):
-            arguments.setdefault("timeout", self.job.tool_timeout)
+        bounded = bounded_arguments(name, arguments, self.job.tool_timeout)
         try:
-            result = await self.tools.call(name, **arguments)
+            result = await self.tools.call(name, **bounded)
         except Exception as exc:  # the caller's arguments, or the tool's own failure
             why = getattr(exc, "message", None) or exc
             raise ApiError("invalid_request", f"{name}: {why}") from None
