@@ -8,7 +8,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -120,6 +120,27 @@ def second_server(
         stop_group(proc, timeout=30)
 
 
+def stranded_mid_episode(group: int, mid_episode: Callable[[], set[str]]) -> set[str]:
+    """Freeze the server's process group (SIGSTOP) at a moment `mid_episode()` names jobs, and
+    return the jobs it still names once the reading has settled: with the server frozen, an
+    episode that did not need it again ends and drops out, and those left wait on a request to
+    it. The server stays frozen for the caller to kill; with no such job it thaws and waits on."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        wait_until(lambda: bool(mid_episode()), 300, "a job with a turn done on the server")
+        os.killpg(group, signal.SIGSTOP)
+        reading, settled = mid_episode(), 0
+        while reading and settled < 3:  # the same jobs over three readings 0.5 s apart
+            time.sleep(0.5)
+            again = mid_episode()
+            settled = settled + 1 if again == reading else 0
+            reading = again
+        if reading:
+            return reading
+        os.killpg(group, signal.SIGCONT)
+    raise AssertionError("no job was ever left waiting on the server mid-episode")
+
+
 def test_a_server_killed_mid_batch_loses_no_job(
     stack: Stack, vllm_server: VllmServer, second_server: tuple[str, int]
 ) -> None:
@@ -142,15 +163,19 @@ def test_a_server_killed_mid_batch_loses_no_job(
             def on_dies() -> set[str]:
                 return {job for job, held in pool.holders().items() if held == "dies"}
 
-            def mid_episode_on_dies() -> bool:
-                return any(
-                    "dies" in {m.backend_id for m in model_turns(client.get_rollout(job))}
-                    for job in on_dies()
-                )
+            def mid_episode_on_dies() -> set[str]:
+                """Jobs in RUN that hold the second server and have a turn done on it."""
+                jobs = set()
+                for job in on_dies():
+                    partial = client.get_rollout(job)
+                    if partial.status is JobStatus.run and "dies" in {
+                        m.backend_id for m in model_turns(partial)
+                    }:
+                        jobs.add(job)
+                return jobs
 
-            wait_until(mid_episode_on_dies, 300, "a job with a turn done on the second server")
+            stranded = stranded_mid_episode(group, mid_episode_on_dies)
             os.killpg(group, signal.SIGKILL)
-            stranded = on_dies()
             wait_until(
                 lambda: client.batch_progress(accepted.batch_id).done, 600, "the batch to end"
             )
