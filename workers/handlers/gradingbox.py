@@ -1,4 +1,5 @@
-"""Grading boxes: a fresh sandbox for one grade, labelled with the job it grades, always stopped.
+"""Grading boxes: a fresh sandbox for one grade, labelled with the job it grades, always
+stopped; and the environment a check command runs in (`check_command`).
 
 Handlers that grade outside the job's own sandbox (`code`, `swe`) run the answer in a box of
 its own: made under the grading root of the host's sandbox dir (`<sandbox_dir>/.grading`,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,59 @@ from core.settings import Settings
 from sandbox.backends import get_backend
 from sandbox.base import Sandbox, SandboxBackend, SandboxSpec
 from sandbox.reaper import GRADING_DIR
+
+GIT_RUNS_NOTHING: dict[str, str] = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_COUNT": "2",
+    "GIT_CONFIG_KEY_0": "core.hooksPath",
+    "GIT_CONFIG_VALUE_0": "/dev/null",
+    "GIT_CONFIG_KEY_1": "core.fsmonitor",
+    "GIT_CONFIG_VALUE_1": "false",
+}
+"""Git as a grader runs it: no system configuration, no hook, no fsmonitor, whatever a
+repository's own configuration says (these outrank it, as `git -c` does)."""
+
+CHECK_ENV: dict[str, str] = {
+    **GIT_RUNS_NOTHING,
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "PYTHONSAFEPATH": "1",
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+"""What a check command's environment adds to the box's: Python puts neither the current
+directory nor a script's on `sys.path` (a `json.py` left in /workspace is not the standard
+library's) and reads no user site (its `.pth` and `usercustomize`); git reads no global or
+system configuration and runs no hook or fsmonitor."""
+
+CHECK_UNSET = (
+    "PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONINSPECT",
+    "BASH_ENV", "ENV", "CDPATH", "GLOBIGNORE", "GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES", "LD_PRELOAD", "LD_LIBRARY_PATH",
+)  # fmt: skip
+"""Variables a check runs without, whatever the box's environment holds."""
+
+_EXPORTS = " ".join(f"{name}={shlex.quote(value)}" for name, value in CHECK_ENV.items())
+_CHECK_WRAPPER = f"""\
+home="$(mktemp -d "${{TMPDIR:-/tmp}}/check.XXXXXXXX")" || exit 125
+mkdir -m 700 "$home/home" "$home/tmp" || exit 125
+export HOME="$home/home" TMPDIR="$home/tmp" {_EXPORTS}
+unset {" ".join(CHECK_UNSET)}
+cd /workspace || exit 125
+exec bash --noprofile --norc -c "$1"
+"""
+
+
+def check_command(check: str) -> str:
+    """Bash running `check` as a grader should (`bash --noprofile --norc`, from
+    /workspace): with a home and a temporary directory (`HOME`, `TMPDIR`) made for it,
+    `CHECK_ENV` added and `CHECK_UNSET` removed. Exit status 125 when that cannot be made.
+
+    The fixed path `/tmp` stays the box's: fresh processes of a box with a disk of its own
+    share it with the agent's (`sandbox.boxdisk`), so a check finds there what the agent
+    left and should make its own files with `mktemp` or under `$TMPDIR`."""
+    return (
+        f"exec bash --noprofile --norc -c {shlex.quote(_CHECK_WRAPPER)} check {shlex.quote(check)}"
+    )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 A task: `{"data_source": "shell", "instruction": "...", "check": "bash that exits 0 when done",
 "files": {"/workspace/path": "content", ...}, "network": false, "egress": [], "timeout": 60}`.
 `files` are written into the sandbox before the episode (paths are normalised and must stay
-inside `/workspace`); `timeout` is the check's time limit in seconds. With `"network": true`
+inside `/workspace`); `timeout` is the check's time limit in seconds. With
+`"grading": {"isolated": true, "files": {...}}` the check runs in a fresh box instead, holding
+a copy of the agent's final workspace and then the grading files
+(`workers.handlers.isolated`). With `"network": true`
 the box has a network of its own that reaches only the hosts `egress` names (`"pypi.org"`,
 `"example.org:8443"`; without a port, 443 and 80), each of which the operator's
 `ROLLSERVE_SANDBOX_EGRESS_ALLOW` must allow; they hold from the box's start until the agent's
@@ -20,6 +23,14 @@ from core.egress import EgressRuleError, HostRule, parse_task_rules, uncovered
 from sandbox.base import SandboxSpec
 from workers.handlers.base import Grade, Handler, StepResult, TaskValidationError, ToolSession
 from workers.handlers.boxlimits import box_limits
+from workers.handlers.gradingbox import check_command, grading_place
+from workers.handlers.isolated import (
+    IsolatedGrading,
+    WorkspaceNotCopied,
+    copy_out_workspace,
+    grade_isolated,
+    read_grading,
+)
 from workers.tool_specs import ALL_TOOLS
 
 SYSTEM = (
@@ -61,26 +72,30 @@ def workspace_path(raw: Any, where: str) -> str:
 def task_files(task: dict[str, Any]) -> dict[str, str]:
     """The task's `files` by their normalised paths; a `TaskValidationError` for a path
     outside /workspace, two paths naming one file, or a file where another needs a directory."""
-    files = task.get("files")
+    return checked_files(task.get("files"), "files")
+
+
+def checked_files(files: Any, where: str) -> dict[str, str]:
+    """`files` (a mapping of paths under /workspace to text, or None) by normalised paths,
+    checked as `task_files` says; errors name `where`."""
     if files is None:
         return {}
     if not isinstance(files, dict):
-        raise TaskValidationError("files", "must map paths under /workspace/ to text")
+        raise TaskValidationError(where, "must map paths under /workspace/ to text")
     found: dict[str, str] = {}
     for raw, content in files.items():
-        path = workspace_path(raw, "files")
+        path = workspace_path(raw, where)
         if not isinstance(content, str):
-            raise TaskValidationError("files", f"the content of {raw!r} must be text")
+            raise TaskValidationError(where, f"the content of {raw!r} must be text")
         if path in found:
-            raise TaskValidationError("files", f"path {raw!r} names a file given twice")
+            raise TaskValidationError(where, f"path {raw!r} names a file given twice")
         found[path] = content
     for path in found:
         parent = posixpath.dirname(path)
         while parent != WORKSPACE:
             if parent in found:
-                raise TaskValidationError(
-                    "files", f"{parent!r} is a file, so it cannot hold {path!r}"
-                )
+                why = f"{parent!r} is a file, so it cannot hold {path!r}"
+                raise TaskValidationError(where, why)
             parent = posixpath.dirname(parent)
     return found
 
@@ -140,6 +155,7 @@ class ShellHandler(Handler):
         task_egress(task, self.settings.sandbox_egress_cap)
         box_limits(task, self.settings)
         check_timeout(task)
+        read_grading(task, checked_files)
 
     def sandbox_spec(self, task: dict[str, Any], job_id: str) -> SandboxSpec:
         # Checked again here: the operator may have narrowed the cap since submission.
@@ -176,9 +192,16 @@ class ShellHandler(Handler):
     ) -> Grade:
         if tools is None:
             raise RuntimeError("a shell task is graded in its sandbox, and it has none")
+        grading = read_grading(task, checked_files)
+        if grading.isolated:
+            return self._grade_isolated(task, tools, grading, job_id)
         # `tools` runs each command as a fresh bash over the halted box's files
         # (workers.freshshell): the agent's shell, functions and processes take no part.
-        result = tools.call("bash", command=task["check"], timeout=check_timeout(task))
+        # And the check runs with a /tmp and a home of its own, Python and git told to
+        # trust nothing of the workspace's for themselves (`check_command`).
+        result = tools.call(
+            "bash", command=check_command(task["check"]), timeout=check_timeout(task)
+        )
         passed = result.get("exit_code") == 0
         return Grade(
             reward=1.0 if passed else 0.0,
@@ -189,3 +212,21 @@ class ShellHandler(Handler):
                 "output": str(result.get("output", ""))[-2000:],
             },
         )
+
+    def _grade_isolated(
+        self, task: dict[str, Any], tools: ToolSession, grading: IsolatedGrading, job_id: str
+    ) -> Grade:
+        """The check in a fresh box holding a copy of the agent's workspace and the task's
+        grading files (`workers.handlers.isolated`)."""
+        try:
+            workspace = copy_out_workspace(tools)
+            return grade_isolated(
+                self.sandbox_spec(task, job_id),
+                grading_place(self.settings),
+                workspace,
+                grading,
+                task["check"],
+                check_timeout(task),
+            )
+        except WorkspaceNotCopied as exc:
+            return Grade(0.0, {"check": task["check"], "isolated": True, "reason": str(exc)})

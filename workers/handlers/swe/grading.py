@@ -19,6 +19,13 @@ from typing import Any
 from sandbox.base import ExecResult, Sandbox
 from workers.handlers.base import Grade, TaskValidationError
 from workers.handlers.gradingbox import GradingPlace, grading_box
+from workers.handlers.swe.runnerfiles import (
+    GRADER_GIT_ENV,
+    RunnerFilesError,
+    restore_git_dir,
+    restore_runner_files,
+    snapshot_git_dir,
+)
 from workers.handlers.swe.task import SweEnvironmentError, SweTask, box_spec, checkout_script
 
 LOG_TAIL = 4000
@@ -123,16 +130,55 @@ class EvalReport:
     """FAIL_TO_PASS and PASS_TO_PASS, each {"success": [...], "failure": [...]}."""
     exit_code: int | None
     """The test command's exit status, as the log records it."""
+    not_reported: list[str]
+    """Tests the task names that the log says nothing of (counted as failures)."""
 
     @property
     def resolved(self) -> bool:
-        return self.resolution == "RESOLVED_FULL"
+        return self.parsed and self.resolution == "RESOLVED_FULL"
+
+
+def _reports_passes(task: SweTask) -> bool:
+    """Whether the task's log parser names passing tests too (swebench's Python parsers
+    do), so that a test missing from its log was not run."""
+    from swebench.harness.constants import EvalType
+    from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
+
+    python = {parser.__name__ for parser in MAP_REPO_TO_PARSER_PY.values()}
+    return _eval_type(task) == EvalType.PASS_AND_FAIL.value or task.log_parser in python
+
+
+def _fail_unreported(task: SweTask, status: dict[str, str], report: dict[str, Any]) -> list[str]:
+    """Move every named test the log does not report from `report`'s successes to its
+    failures (a run that collected fewer tests than the task names does not pass the
+    others); the tests moved or already failed for that reason."""
+    from swebench.harness import grading
+
+    # swebench's own lookup, which tolerates its data's truncated parametrised ids.
+    resolve = getattr(grading, "_resolve_case", None)
+
+    def reported(test: str) -> bool:
+        return resolve(test, status) is not None if resolve is not None else test in status
+
+    missing: list[str] = []
+    if not _reports_passes(task):
+        return missing
+    for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+        for test in list(report[key]["success"]) + list(report[key]["failure"]):
+            if not reported(test):
+                missing.append(test)
+                if test in report[key]["success"]:
+                    report[key]["success"].remove(test)
+                    report[key]["failure"].append(test)
+    return missing
 
 
 def grade_log(task: SweTask, log: str) -> EvalReport:
     """Grade an eval log exactly as SWE-bench's `get_eval_report` does: `get_logs_eval`
     (the task's parser on the text between the markers, the infrastructure checks), then
-    `get_eval_tests_report` and `get_resolution_status`."""
+    `get_eval_tests_report` and `get_resolution_status`; but a test the task names and the
+    log does not report fails whatever the eval type, when the task's parser reports passing
+    tests too (`_fail_unreported`), and a log without gradable results is never resolved."""
     from swebench.harness.constants import FAIL_TO_PASS, PASS_TO_PASS, EvalType
     from swebench.harness.grading import (
         get_eval_tests_report,
@@ -153,12 +199,14 @@ def grade_log(task: SweTask, log: str) -> EvalReport:
         PASS_TO_PASS: task.pass_to_pass,
     }
     report = get_eval_tests_report(status, gold, eval_type=EvalType(spec.eval_type))
+    not_reported = _fail_unreported(task, dict(status), report)
     return EvalReport(
         resolution=get_resolution_status(report),
         parsed=parsed,
         status=dict(status),
         tests={key: report[key] for key in (FAIL_TO_PASS, PASS_TO_PASS)},
         exit_code=parse_test_exit_code(log),
+        not_reported=not_reported,
     )
 
 
@@ -220,7 +268,8 @@ def apply_patch(box: Sandbox, patch: str, clock: _Clock) -> PatchApplied:
     def run(command: str) -> ExecResult:
         # The box's /tmp lives as long as one exec: the patch file is written in the same one.
         script = f"cat > {CONTAINER_PATCH_FILE} && {command} {CONTAINER_PATCH_FILE}"
-        return box.exec(["bash", "-c", script], input=data, timeout=clock.left())
+        return box.exec(["bash", "-c", script], input=data, env=GRADER_GIT_ENV,
+                        timeout=clock.left())  # fmt: skip
 
     attempts: list[dict[str, Any]] = []
 
@@ -232,7 +281,8 @@ def apply_patch(box: Sandbox, patch: str, clock: _Clock) -> PatchApplied:
 
     for index, command in enumerate(GIT_APPLY_CMDS):
         if index:
-            box.exec(["bash", "-c", "git checkout -- . ; git clean -fdq"], timeout=clock.left())
+            box.exec(["bash", "-c", "git checkout -- . ; git clean -fdq"], env=GRADER_GIT_ENV,
+                     timeout=clock.left())  # fmt: skip
         if attempt(command):
             return PatchApplied(True, attempts)
     # The chain can leave the patch applied while every command failed.
@@ -246,6 +296,7 @@ def _report_details(report: EvalReport) -> dict[str, Any]:
         "FAIL_TO_PASS": report.tests["FAIL_TO_PASS"],
         "PASS_TO_PASS": report.tests["PASS_TO_PASS"],
         "test_exit_code": report.exit_code,
+        "not_reported": report.not_reported,
     }
 
 
@@ -269,8 +320,10 @@ def evaluate(
     task: SweTask, patch: str, *, place: GradingPlace, job_id: str, timeout: float
 ) -> Grade:
     """Grade `patch` in a fresh box labelled with `job_id`, made at `place`: clone at
-    `base_commit`, apply the patch (reward 0 when it does not apply), run the eval script,
-    grade its log with swebench (`grade_log`). A host repository of `task` has passed
+    `base_commit`, apply the patch (reward 0 when it does not apply), put the files that
+    configure or hook the test runner back as `base_commit` has them
+    (`workers.handlers.swe.runnerfiles`; listed in the details as `restored`), run the eval
+    script, grade its log with swebench (`grade_log`). A host repository of `task` has passed
     `checked_on_worker`.
 
     Reward 1.0 only when swebench says RESOLVED_FULL. The whole takes at most `timeout`
@@ -308,6 +361,11 @@ def _grade_in(
             f"cannot check out {task.base_commit} of {task.source}: "
             f"{text_tail(_combined(checkout), 1000)}"
         )
+    details["restored"] = []
+    try:
+        git_dir = snapshot_git_dir(box, clock.left())
+    except RunnerFilesError as exc:
+        raise SweEnvironmentError(str(exc)) from None
     if patch.strip():
         applied = apply_patch(box, patch, clock)
         details["patch_applied"] = applied.applied
@@ -321,10 +379,17 @@ def _grade_in(
                 PASS_TO_PASS={"success": [], "failure": task.pass_to_pass},
             )
             return _finish(details, 0.0, started)
+    try:
+        details["restored"] = restore_git_dir(box, git_dir, clock.left())
+        details["restored"] += restore_runner_files(box, task.base_commit, clock.left())
+    except RunnerFilesError as exc:
+        details.update(resolution="RESOLVED_NO", tests_ran=False, reason=str(exc))
+        return _finish(details, 0.0, started)
     script = "\n".join(["exec 2>&1", "set -uxo pipefail", *eval_script(task)]) + "\n"
     run = box.exec(
         ["bash", "-c", "cat > /tmp/eval.sh && exec bash /tmp/eval.sh"],
         input=script.encode("utf-8"),
+        env=GRADER_GIT_ENV,
         timeout=clock.left(),
     )
     log = run.stdout + run.stderr

@@ -10,13 +10,14 @@ import importlib
 from typing import Any, ClassVar
 
 from sandbox.base import WORKSPACE_INSIDE, SandboxSpec
-from workers.handlers.base import Grade, Handler, StepResult, ToolSession
+from workers.handlers.base import Grade, Handler, StepResult, TaskValidationError, ToolSession
 from workers.handlers.boxlimits import box_limits
 from workers.handlers.gradingbox import grading_place
 from workers.handlers.swe.grading import evaluate, text_tail
 from workers.handlers.swe.task import (
     SweEnvironmentError,
     SweTask,
+    allowed_image,
     allowed_repo_path,
     box_spec,
     checked_on_worker,
@@ -82,7 +83,20 @@ class SweHandler(Handler):
         parsed = read_task(task)
         if parsed.host_repo is not None:
             allowed_repo_path(parsed.host_repo, self.settings)
+        if parsed.image is not None:
+            allowed_image(parsed.image, self.settings)
         box_limits(task, self.settings)
+        # Always graded in isolation (a fresh box, the patch, the test patch brought in at
+        # grading time): `grading.isolated` may say so, never the opposite.
+        grading = task.get("grading")
+        if grading is not None and (
+            not isinstance(grading, dict)
+            or set(grading) - {"isolated"}
+            or grading.get("isolated", True) is not True
+        ):
+            raise TaskValidationError(
+                "grading", 'a swe task is always graded in a fresh box: only {"isolated": true}'
+            )
 
     def warm_up(self) -> None:
         """Import swebench's harness (about two seconds) before the pool forks."""
