@@ -102,7 +102,11 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
                 f"vllm         {stack.vllm_url}  (log: {settings.data_dir / 'logs' / 'vllm.log'})"
             )
         if args.flower:
-            auth = "  (user rollserve, the API token)" if settings.api_token else ""
+            auth = (
+                "  (user rollserve, the API token)"
+                if settings.api_token
+                else f"  (user rollserve, password in {stack.flower_password_file})"
+            )
             print(f"flower       http://{args.flower_address}:{args.flower_port}{auth}")
         print(f"workers      {', '.join(stack.worker_names.values())}")
         print(f"logs         {settings.data_dir / 'logs'}")

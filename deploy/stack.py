@@ -7,9 +7,11 @@ same port, from its append-only file), with capped exponential backoff.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -368,9 +370,30 @@ class Stack:
                 "authentication and shows every job's arguments; set a token or bind 127.0.0.1"
             )
 
+    @property
+    def flower_password_file(self) -> Path:
+        """Where Flower's password is kept when there is no API token to use (mode 0600)."""
+        return self.data_dir / "flower" / "password"
+
+    def flower_password(self) -> str:
+        """Flower's password for the user `rollserve`: the API token, or without one a random
+        password made once and kept in `flower_password_file`. Flower always asks for it: on
+        loopback too, any local user (and any box that reached the host) could read every
+        job's arguments there otherwise."""
+        if self.settings.api_token:
+            return self.settings.api_token
+        path = self.flower_password_file
+        with contextlib.suppress(FileNotFoundError):
+            kept = path.read_text().strip()
+            if kept:
+                return kept
+        password = secrets.token_urlsafe(24)
+        write_private_file(path, password + "\n")
+        return password
+
     def _start_flower(self) -> None:
-        """Flower on `flower_address`; with an API token, behind HTTP basic auth
-        (`rollserve:<token>`) given in a configuration file of mode 0600, never on argv.
+        """Flower on `flower_address`, behind HTTP basic auth (`rollserve:<password>`, see
+        `flower_password`) given in a configuration file of mode 0600, never on argv.
 
         Flower reads the broker from the Celery app (`broker.worker_app`, on the environment's
         ROLLSERVE_REDIS_URL), so the Redis password is not on its command line either.
@@ -379,15 +402,7 @@ class Stack:
         flower_dir = self.data_dir / "flower"
         flower_dir.mkdir(mode=0o700, exist_ok=True)
         config = flower_dir / "flowerconfig.py"
-        lines = [f"basic_auth = {[f'rollserve:{self.settings.api_token}']!r}"]
-        if not self.settings.api_token:
-            lines = []
-            log.warning(
-                "Flower on %s:%d has no authentication (ROLLSERVE_API_TOKEN is unset): every "
-                "local user can see every job's arguments in it",
-                self.options.flower_address,
-                self.options.flower_port,
-            )
+        lines = [f"basic_auth = {[f'rollserve:{self.flower_password()}']!r}"]
         write_private_file(config, "".join(line + "\n" for line in lines))
         argv = [
             sys.executable, "-m", "celery", "-A", "broker.worker_app", "flower",

@@ -67,3 +67,19 @@ def test_flower_beyond_loopback_without_a_token_is_refused(tmp_path: Path) -> No
     with pytest.raises(RuntimeError, match="without ROLLSERVE_API_TOKEN it has no auth"):
         Stack(settings, options).start()
     assert processes_mentioning(str(tmp_path / "data")) == []
+
+
+def test_flower_without_a_token_asks_for_a_kept_random_password(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    settings = Settings(data_dir=data_dir, port=free_port())
+    options = StackOptions(workers={}, flower=True, flower_port=free_port())
+    with Stack(settings, options) as stack:
+        password = stack.flower_password()
+        flower = f"http://127.0.0.1:{options.flower_port}/"
+        assert httpx.get(flower, timeout=10).status_code == 401
+        assert httpx.get(flower, auth=("rollserve", ""), timeout=10).status_code == 401
+        assert httpx.get(flower, auth=("rollserve", password), timeout=10).status_code == 200
+    assert stack.flower_password_file.stat().st_mode & 0o077 == 0
+    # the same password on the next start, so an operator's saved login keeps working
+    assert Stack(settings, options).flower_password() == password
+    assert processes_mentioning(str(data_dir)) == []
