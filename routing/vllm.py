@@ -33,6 +33,9 @@ KEEPALIVE_SECONDS = 4.0
 uvicorn (vLLM's and SGLang's HTTP server) closes it, so a request never goes out on a
 connection the server is closing."""
 CONNECT_SECONDS = 10.0
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+"""Largest answer body read from a backend; a bigger one is a failed request, not memory
+spent (a model call's answer, logprobs included, is a few megabytes at most)."""
 
 CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
 """The limits of the httpx client kept for side requests (health, abort): a process may
@@ -58,6 +61,16 @@ class BackendError(Exception):
     def retryable(self) -> bool:
         """Whether the same request may succeed later (no answer, or a 5xx)."""
         return self.status is None or self.status >= 500
+
+
+def _check_length(length: int | str | None, url: str) -> None:
+    """Refuse an answer longer than `MAX_REPLY_BYTES` (a declared length, or what was read)."""
+    try:
+        size = int(length) if length is not None else 0
+    except ValueError:
+        return
+    if size > MAX_REPLY_BYTES:
+        raise BackendError(f"the answer is longer than {MAX_REPLY_BYTES} bytes", url=url)
 
 
 class OutOfVocabularyError(BackendError):
@@ -227,19 +240,32 @@ class HTTPBackend:
     async def _send(
         self, method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str] | None
     ) -> tuple[int, bytes, str]:
-        """One request: the answer's status, body and reason phrase."""
+        """One request: the answer's status, body (at most `MAX_REPLY_BYTES`, or
+        `BackendError`) and reason phrase."""
         if not self._owns_http:
-            response = await self._http.request(
+            async with self._http.stream(
                 method, url, json=body, headers=headers, timeout=self.timeout
-            )
-            return response.status_code, response.content, response.reason_phrase
+            ) as response:
+                _check_length(response.headers.get("content-length"), url)
+                content = bytearray()
+                async for chunk in response.aiter_bytes():
+                    content += chunk
+                    _check_length(len(content), url)
+                return response.status_code, bytes(content), response.reason_phrase
         # Redirects are not followed (as httpx does not): a backend is reached only at the
         # address it was registered and checked with.
         pool = self._pool()
         async with pool.request(
             method, url, json=body, headers=headers, allow_redirects=False
         ) as answer:
-            return answer.status, await answer.read(), answer.reason or ""
+            if answer.content_length is not None:
+                _check_length(answer.content_length, url)
+                return answer.status, await answer.read(), answer.reason or ""
+            data = bytearray()  # no length given (chunked): read up to the bound
+            async for chunk in answer.content.iter_chunked(1 << 16):
+                data += chunk
+                _check_length(len(data), url)
+            return answer.status, bytes(data), answer.reason or ""
 
     async def _request(
         self,

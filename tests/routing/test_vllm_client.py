@@ -201,3 +201,47 @@ def test_a_client_whose_loop_goes_away_is_discarded_without_running_it(
     assert not [r for r in reports if "client session" in r or "connector" in r], reports
     assert asyncio.run(client.tokenize("after"))  # another loop: a new pool
     asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("pool", ["aiohttp", "httpx"])
+async def test_an_answer_past_the_bound_is_a_backend_error(
+    chunked: bool, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend cannot make a worker read (and hold) an answer of any size: past
+    `MAX_REPLY_BYTES`, declared or streamed, the request fails naming the bound."""
+    import httpx
+    from aiohttp import web
+
+    import routing.vllm
+
+    monkeypatch.setattr(routing.vllm, "MAX_REPLY_BYTES", 4096)
+    body = b'{"tokens": [' + b"1, " * 5000 + b'1], "count": 5001}'
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=body, content_type="application/json")
+        answer = web.StreamResponse(headers={"Content-Type": "application/json"})
+        answer.enable_chunked_encoding()
+        await answer.prepare(request)
+        for start in range(0, len(body), 1000):
+            await answer.write(body[start : start + 1000])
+        await answer.write_eof()
+        return answer
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", huge)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    http = httpx.AsyncClient() if pool == "httpx" else None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with VLLMClient(url, "m", retries=0, http=http) as client:
+            with pytest.raises(BackendError, match="longer than 4096 bytes"):
+                await client.tokenize("x")
+    finally:
+        if http is not None:
+            await http.aclose()
+        await runner.cleanup()
