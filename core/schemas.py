@@ -370,6 +370,22 @@ class EgressEvent(BaseModel):
     """Why an allowed connection failed (name not found, host unreachable)."""
 
 
+LIMIT_NAMES = ("memory", "disk", "inodes", "processes", "time")
+"""The box-wide limits a trajectory reports hitting (`LimitHit.limit`)."""
+
+
+class LimitHit(BaseModel):
+    """A box-wide limit that stopped or held something of the job's sandbox during the
+    episode: `memory` (the kernel killed a process for the box's memory limit), `processes`
+    (a fork was refused), `disk` / `inodes` (the box's own disk was full), `time` (a tool
+    call ran out of time and was interrupted)."""
+
+    limit: Literal["memory", "disk", "inodes", "processes", "time"]
+    count: int = 1
+    """How often it held: OOM kills, refused forks, tool calls stopped by it (at least 1)."""
+    detail: str = ""
+
+
 class Trajectory(BaseModel):
     """What the trainer gets for one job (partial while it runs or when it did not complete)."""
 
@@ -408,6 +424,10 @@ class Trajectory(BaseModel):
     egress: list[EgressEvent] = Field(default_factory=list)
     """The connections a sandbox with network tried during the episode, allowed or refused,
     in order (empty without network)."""
+    limits: list[LimitHit] = Field(default_factory=list)
+    """The box-wide limits the job's sandbox ran into during the episode, one entry per limit
+    (empty when none held it, or the job had no sandbox): a trainer tells a policy that
+    filled the disk from one that failed the task."""
     harness: HarnessRun | None = None
     """How the job's own harness ran, for a job with `agent.command`."""
     turns: list[Turn] = Field(default_factory=list)

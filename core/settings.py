@@ -65,11 +65,13 @@ class Settings(BaseSettings):
     port: int = 8600
     """Port the gateway binds."""
     api_token: str | None = None
-    """When set, every /v1 request needs `Authorization: Bearer <token>`."""
+    """When set, every /v1 request (and `/metrics`) needs `Authorization: Bearer <token>`.
+    It is the operator's (admin's) token: the only one that may change the fleet (backends,
+    weights), see the fleet pages and every tenant's work."""
     tenant_tokens: str | None = None
     """More bearer tokens, one per tenant: `name:token,name:token`. Each tenant has its own
-    quota of unfinished jobs (`ROLLSERVE_MAX_QUEUED_JOBS`); `ROLLSERVE_API_TOKEN` is the
-    tenant `default`. Any of them opens every /v1 route."""
+    quota of unfinished jobs (`ROLLSERVE_MAX_QUEUED_JOBS`) and sees, streams and cancels only
+    its own batches and rollouts; `ROLLSERVE_API_TOKEN` is the tenant `default`."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body the gateway accepts (413 beyond)."""
     max_wait_seconds: float = 600.0
@@ -178,6 +180,14 @@ class Settings(BaseSettings):
     sandbox_inodes: int = Field(default=262_144, ge=64)
     """Files and directories one sandbox's workspace, /tmp and /dev/shm hold together (the
     same tmpfs). A task may ask for fewer (`sandbox.limits.inodes`)."""
+    sandbox_allow_local: bool = False
+    """Let `ROLLSERVE_SANDBOX_BACKEND=auto` fall back to `local` (no isolation: the agent's
+    commands run as the service) where neither apptainer nor bwrap works. Unset, it never
+    does: tool-using jobs fail saying what is missing."""
+    sandbox_allow_unlimited: bool = False
+    """Let a box start where this host cannot hold its memory and process limits (no
+    cgroups for boxes: not root, no delegated cgroup v2 subtree); it then has per-process
+    rlimits only. Unset, such a box does not start."""
     sandbox_extra_paths: str | None = None
     """Host paths bubblewrap boxes see read-only besides the minimal root (the system's
     programs and libraries, the parts of /etc they read): absolute paths separated by `,` or
@@ -245,10 +255,26 @@ class Settings(BaseSettings):
     suffix patterns (`pypi.org,*.pythonhosted.org`), each with an optional `:port` (without
     one: 443 and 80). A task names the hosts it needs in `egress`; one outside this list is
     refused at submission. Unset: a box with network reaches no host outside."""
+    sandbox_egress_networks: str | None = None
+    """Private networks (comma-separated CIDRs, e.g. `10.20.0.0/16`) an allowed host of a
+    box with network may resolve into: an internal mirror. Unset: a host that resolves to a
+    private address (10/8, 172.16/12, 192.168/16, 100.64/10...) is refused. Loopback,
+    link-local, cloud metadata and this host's own addresses are refused whatever it says."""
     swe_repo_roots: str | None = None
     """Directories `swe` tasks may name host repositories (`environment.repo_path`) under:
     absolute paths separated by `,` or `:`. Unset: tasks with a host repository are
     refused."""
+    swe_image_roots: str | None = None
+    """Directories `swe` tasks may name an image file or root directory
+    (`environment.image`) under: absolute paths separated by `,` or `:`, resolved like
+    `ROLLSERVE_SWE_REPO_ROOTS`. Unset: an image given as a path is refused (an image URI,
+    `docker://...`, is not a path). Never the host's homes, /root, /run or the service's
+    data and sandbox directories, whatever the roots say."""
+    tokenizer_roots: str | None = None
+    """Directories a backend's `tokenizer` (and an SGLang backend's model, which names its
+    tokenizer when `tokenizer` is unset) may name local tokenizers under: absolute paths
+    separated by `,` or `:`. The tiny model of the development server is always allowed, and
+    so is a Hugging Face hub id already in the local cache; nothing is ever downloaded."""
 
     max_tokens: int = 1024
     """Default `sampling.max_tokens` (tokens per model call)."""
@@ -268,7 +294,7 @@ class Settings(BaseSettings):
         maxmemory_bytes(value)  # raises ValueError naming the accepted forms
         return value
 
-    @field_validator("backend_networks")
+    @field_validator("backend_networks", "sandbox_egress_networks")
     @classmethod
     def _check_backend_networks(cls, value: str | None) -> str | None:
         parse_networks(value)  # raises ValueError naming the entry that is not a network
@@ -280,7 +306,7 @@ class Settings(BaseSettings):
         parse_allow_list(value)  # raises ValueError naming the entry that is not a host
         return value
 
-    @field_validator("swe_repo_roots")
+    @field_validator("swe_repo_roots", "tokenizer_roots", "swe_image_roots")
     @classmethod
     def _check_swe_repo_roots(cls, value: str | None) -> str | None:
         for root in _split_roots(value):
@@ -316,6 +342,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
+        if any(token.strip().upper() in PLACEHOLDER_TOKENS for token in self.tokens()):
+            raise ValueError(
+                "a token (ROLLSERVE_API_TOKEN or ROLLSERVE_TENANT_TOKENS) is still the "
+                "placeholder CHANGE-ME of the example files: set a secret of your own, e.g. "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
         if self.tenant_tokens and not self.api_token:
             raise ValueError(
                 "ROLLSERVE_TENANT_TOKENS needs ROLLSERVE_API_TOKEN too: it is the operator's "
@@ -370,6 +402,16 @@ class Settings(BaseSettings):
         return tuple(Path(os.path.realpath(root)) for root in _split_roots(self.swe_repo_roots))
 
     @property
+    def tokenizer_root_list(self) -> tuple[Path, ...]:
+        """`tokenizer_roots` as paths, symlinks resolved (empty when unset)."""
+        return tuple(Path(os.path.realpath(root)) for root in _split_roots(self.tokenizer_roots))
+
+    @property
+    def swe_image_root_list(self) -> tuple[Path, ...]:
+        """`swe_image_roots` as paths, symlinks resolved (empty when unset)."""
+        return tuple(Path(os.path.realpath(root)) for root in _split_roots(self.swe_image_roots))
+
+    @property
     def results_path(self) -> Path:
         """`results_dir`, or `results` under the data directory."""
         return self.results_dir or self.data_dir / "results"
@@ -392,6 +434,10 @@ def _split_roots(value: str | None) -> list[str]:
     return [part.strip() for part in re.split(f"[,{re.escape(os.pathsep)}]", value) if part.strip()]
 
 
+PLACEHOLDER_TOKENS = frozenset({"CHANGE-ME", "CHANGEME", "CHANGE_ME"})
+"""Tokens of the shipped example files, refused as real ones."""
+
+
 def parse_tenant_tokens(text: str) -> dict[str, str]:
     """`name:token,name:token` as {token: name}; a ValueError naming what is malformed."""
     tokens: dict[str, str] = {}
@@ -405,6 +451,11 @@ def parse_tenant_tokens(text: str) -> dict[str, str]:
             )
         if token in tokens:
             raise ValueError(f"ROLLSERVE_TENANT_TOKENS gives tenant {name!r} a token in use")
+        if name == "default":
+            raise ValueError(
+                "ROLLSERVE_TENANT_TOKENS names a tenant `default`: that is the operator's "
+                "(ROLLSERVE_API_TOKEN); give the tenant another name"
+            )
         tokens[token] = name
     return tokens
 

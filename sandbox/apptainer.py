@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sandbox.base import (
+    ALLOW_UNLIMITED_ENV,
     ENDPOINT_DIR,
     ENDPOINT_DIR_INSIDE,
     SOCKET_DIR_INSIDE,
@@ -52,6 +53,7 @@ from sandbox.base import (
     SandboxError,
     SandboxInfo,
     SandboxSpec,
+    env_flag,
 )
 from sandbox.cgroups import host_cgroups
 from sandbox.process import ProcessSandbox
@@ -323,6 +325,13 @@ class ApptainerBackend(SandboxBackend):
         reference = spec.root or self.default_image
         if reference is None:
             raise SandboxError("an apptainer sandbox needs an image: spec.root or default_image")
+        limited = spec.limits.box_memory_bytes is not None or spec.limits.box_pids is not None
+        if limited and not cgroup_options(spec.limits) and not env_flag(ALLOW_UNLIMITED_ENV):
+            raise SandboxError(
+                "apptainer cannot hold a box's memory and process limits here (it needs cgroups "
+                f"for boxes: root, or rootless on cgroup v2); set {ALLOW_UNLIMITED_ENV}=1 to "
+                "start boxes without them"
+            )
         image = self.prepare_image(reference, state_root)
         info = prepare_state(spec, state_root, self.name)
         info.instance = f"rollserve-{info.id}"

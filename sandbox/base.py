@@ -17,6 +17,7 @@ worker left behind (`sandbox.procs`). Boxes that are host process trees share
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,18 @@ WORKSPACE_INSIDE = "/workspace"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXEC_OUTPUT_LIMIT = 8 << 20
 """Bytes of stdout and of stderr `Sandbox.exec` keeps by default; the rest is counted and cut."""
+
+ALLOW_LOCAL_ENV = "ROLLSERVE_SANDBOX_ALLOW_LOCAL"
+"""Set (1, true): backend `auto` may fall back to `local`, boxes without isolation, where no
+other backend works here. Unset, it never does: tool-using jobs fail saying why."""
+ALLOW_UNLIMITED_ENV = "ROLLSERVE_SANDBOX_ALLOW_UNLIMITED"
+"""Set (1, true): a box whose memory and process limits this host cannot hold (no cgroups
+for boxes) starts anyway, with per-process rlimits only. Unset, it does not start."""
+
+
+def env_flag(name: str) -> bool:
+    """True when the environment variable `name` says yes (`1`, `true`, `yes`, `on`)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -112,8 +125,9 @@ class ExecResult:
     """How a one-off command in the box ended.
 
     `killed_by` names the limit the command ran into (`cpu_seconds`, `memory_bytes`,
-    `processes`, `file_size_bytes`, or `box_memory` / `box_pids` when the box's cgroup
-    counted an OOM kill / a refused fork while it failed) when its end shows one, else the
+    `processes`, `file_size_bytes`, `disk_bytes`, or `box_memory` / `box_pids` when the
+    box's cgroup counted an OOM kill / a refused fork while it failed, `box_disk` /
+    `box_inodes` when it failed with the box's own disk full) when its end shows one, else the
     signal that ended it (`SIGKILL` also when the timeout did: then `timed_out` is true),
     else None.
     """

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from core.egress import EgressRuleError, HostRule, parse_rule
+from core.settings import parse_networks
 from sandbox.base import (
     ENDPOINT_DIR,
     ENDPOINT_DIR_INSIDE,
@@ -67,6 +68,7 @@ from sandbox.base import (
     SandboxSpec,
 )
 from sandbox.boxdisk import SHM_DIR, TMP_DIR
+from sandbox.egress import PRIVATE_SETTING, Network
 from sandbox.network import BoxNetwork, missing, nsenter_argv, resolv_conf
 from sandbox.process import ProcessSandbox
 from sandbox.procs import LABEL_ID
@@ -103,8 +105,9 @@ Nothing else of the host is there: not /etc as a whole (service configurations, 
 /root, /run, /sys, the data directories, the project's checkout, the state root. The service's
 Python (`service_paths()`) is bound on its own; a backend adds `extra_paths`."""
 DEFAULT_HIDDEN = ("/root", "/home", "/run")
-"""Host directories covered with an empty tmpfs wherever a box on the host's root would see
-them (only under an exposed path: with `MINIMAL_ROOT` alone, nowhere)."""
+"""Host directories covered with an empty tmpfs wherever a box would see them: on the host's
+root only under an exposed path (with `MINIMAL_ROOT` alone, nowhere), and in a root of its
+own (an image directory) wherever that root holds them."""
 EXTRA_PATHS_ENV = "ROLLSERVE_SANDBOX_EXTRA_PATHS"
 """Environment variable naming more host paths boxes on the host's root see read-only
 (separated by `,` or `:`): the default of `BubblewrapBackend(extra_paths=...)`."""
@@ -191,36 +194,87 @@ def filesystem_args(
     lacks are left out, and the directories on the way to an exposed path hold only what is
     exposed (or mounted) in them. `mounts` are binds; their mount points need not exist in
     the root. `hidden` are host paths covered with an empty tmpfs wherever the box would see
-    them whole. On the host's root, a read-only mount of a path onto itself is skipped when
-    the path is visible anyway.
+    them whole, whatever the root (a root that is, or holds, a hidden path shows it covered).
+    On the host's root, a read-only mount of a path onto itself is skipped when the path is
+    visible anyway.
+
+    The layout is made in steps, each of which can be checked on its own: the binds of the
+    exposed paths under the fresh /tmp, /dev and /proc (`_with_exposed_fresh`), the hidden
+    paths to cover (`hidden_covers`), the binds worth making (`_needed_mounts`), the
+    directories to rebuild or make for mount points (`_mount_point_dirs`), then the
+    arguments: the root (`_root_args`), the fresh directories (`_fresh_args`), the covers,
+    the directories made, the binds (`_mount_args`), and the covers of hidden paths a bind
+    brings back into view (`_covers_in_mounts`).
     """
     view = _View(os.path.realpath(root or "/"), expose)
-    in_root = view.in_root
-
-    def fresh(path: str) -> bool:
-        return path.split("/")[1] in _SPECIAL
-
-    # The box gets fresh /tmp, /dev and /proc (or its own disk's): what it is to see in them
-    # is bound onto them, last.
-    exposed_in_fresh = [e for e in view.exposed if e != "/" and fresh(e)]
-    mounts = [*mounts, *(Mount(in_root(e), e) for e in exposed_in_fresh)]
+    mounts = _with_exposed_fresh(view, mounts)
     hidden = sorted({os.path.normpath(h) for h in hidden if os.path.lexists(h)})
-    # Paths covered directly (on the host's root, where the box sees host paths as they are).
-    cover = []
+    cover = hidden_covers(view, hidden)
     if root is None:
-        nested = {h for h in hidden if any(o != h and _under(h, [o]) for o in hidden)}
-        cover = [h for h in hidden if not fresh(h) and h not in nested and view.whole(h)]
-    if root is None:
-        # A path under /tmp, /dev or /proc is not "visible anyway": the box gets fresh ones.
-        mounts = [
-            m for m in mounts
-            if m.writable or m.inside != m.source or _under(m.inside, cover)
-            or fresh(m.inside) or not os.path.exists(m.inside) or not view.whole(m.inside)
-        ]  # fmt: skip
+        mounts = _needed_mounts(view, mounts, cover)
+    expand, create = _mount_point_dirs(view, mounts, cover)
     mount_points = {m.inside for m in mounts}
+    args = _root_args(view, cover, mount_points, expand)
+    args += _fresh_args(mount_points, tmp_bytes)
+    args += _cover_args(cover)
+    made: set[str] = set()
+    for directory in create:
+        if directory not in made and directory not in expand:
+            made.add(directory)
+            args += ["--perms", "0755", "--dir", directory]
+    args += _mount_args(mounts, mount_points, made)
+    args += _cover_args(_covers_in_mounts(hidden, mounts, set(cover)))
+    return args
 
-    # Directories rebuilt from their entries (so mount points can be made in them), and
-    # directories to create.
+
+def _fresh(path: str) -> bool:
+    """True for a path under /tmp, /dev or /proc, which every box gets fresh."""
+    return path.split("/")[1] in _SPECIAL
+
+
+def _with_exposed_fresh(view: _View, mounts: Sequence[Mount]) -> list[Mount]:
+    """`mounts`, and a bind of each exposed path under /tmp, /dev or /proc: the box gets those
+    fresh, so what it is to see in them is bound onto them, last."""
+    fresh = [e for e in view.exposed if e != "/" and _fresh(e)]
+    return [*mounts, *(Mount(view.in_root(e), e) for e in fresh)]
+
+
+def hidden_covers(view: _View, hidden: Sequence[str]) -> list[str]:
+    """Where, inside the box, the hidden host paths are to be covered with an empty tmpfs:
+    each one the root holds (the host's root: as it is; another root: where it lies in it)
+    and the box sees whole, outermost only, never under the fresh /tmp, /dev or /proc."""
+    inside = sorted({p for p in (_inside_root(view.root_dir, h) for h in hidden) if p})
+    nested = {h for h in inside if any(o != h and _under(h, [o]) for o in inside)}
+    return [h for h in inside if h not in nested and not _fresh(h) and view.whole(h)]
+
+
+def _inside_root(root_dir: str, host_path: str) -> str | None:
+    """Where the box on `root_dir` sees `host_path` (None: the root does not hold it)."""
+    if root_dir == "/":
+        return host_path
+    real = os.path.realpath(host_path)
+    if not _under(real, [root_dir]) or real == root_dir:
+        return None
+    return "/" + os.path.relpath(real, root_dir)
+
+
+def _needed_mounts(view: _View, mounts: Sequence[Mount], cover: Sequence[str]) -> list[Mount]:
+    """On the host's root, the mounts worth making: a read-only bind of a path onto itself
+    is left out when the box sees the path anyway (not covered, not under a fresh
+    directory)."""
+    return [
+        m for m in mounts
+        if m.writable or m.inside != m.source or _under(m.inside, cover)
+        or _fresh(m.inside) or not os.path.exists(m.inside) or not view.whole(m.inside)
+    ]  # fmt: skip
+
+
+def _mount_point_dirs(
+    view: _View, mounts: Sequence[Mount], cover: Sequence[str]
+) -> tuple[set[str], list[str]]:
+    """(directories rebuilt from their entries, directories to make) so every mount point
+    exists: bwrap cannot make one on a read-only bind. SandboxError for a mount point under
+    a symlink or a file."""
     expand: set[str] = set()
     create: list[str] = []
     for m in mounts:
@@ -230,28 +284,37 @@ def filesystem_args(
             create += [c for c in comps[:-1] if _under(c, covering) and c not in covering]
             continue
         for i, comp in enumerate(comps[:-1]):
-            if i == 0 and fresh(comp):
+            if i == 0 and _fresh(comp):
                 break  # in a fresh tmpfs (/tmp, /dev): bwrap makes the rest
             if not view.shows(comp):
                 expand.update(comps[:i])
                 create += comps[i:-1]
                 break
-            if os.path.islink(in_root(comp)) or not os.path.isdir(in_root(comp)):
+            source = view.in_root(comp)
+            if os.path.islink(source) or not os.path.isdir(source):
                 raise SandboxError(f"cannot mount at {m.inside}: {comp} is not a directory")
         else:
-            if not fresh(m.inside) and not view.shows(m.inside):
+            if not _fresh(m.inside) and not view.shows(m.inside):
                 expand.update(comps[:-1])
+    return expand, create
 
+
+def _root_args(
+    view: _View, cover: Sequence[str], mount_points: set[str], expand: set[str]
+) -> list[str]:
+    """The root the box sees, laid out in bwrap's tmpfs: each entry it shows bound on its own
+    (a symlink made as one), a directory it shows in part or that a mount point needs
+    rebuilt from its entries; covered paths, mount points and /proc, /dev, /tmp left out."""
     args: list[str] = []
 
     def layout(directory: str) -> None:
-        for name in sorted(os.listdir(in_root(directory))):
+        for name in sorted(os.listdir(view.in_root(directory))):
             child = os.path.join(directory, name)
             if (directory == "/" and name in _SPECIAL) or child in cover:
                 continue
             if child in mount_points or not view.shows(child):
                 continue
-            source = in_root(child)
+            source = view.in_root(child)
             if child in expand or (view.partial(child) and not os.path.islink(source)):
                 # Traversable, so the box reaches what is exposed or mounted below it.
                 mode = stat.S_IMODE(os.lstat(source).st_mode) | 0o111
@@ -263,7 +326,13 @@ def filesystem_args(
                 args.extend(["--ro-bind", source, child])
 
     layout("/")
-    args += ["--dev", "/dev", "--proc", "/proc"]
+    return args
+
+
+def _fresh_args(mount_points: set[str], tmp_bytes: int | None) -> list[str]:
+    """Fresh /dev and /proc, and /tmp and /dev/shm (size-capped tmpfs) unless the box's own
+    disk is bound there."""
+    args = ["--dev", "/dev", "--proc", "/proc"]
     for path in ("/tmp", "/dev/shm"):
         if path in mount_points:
             continue  # the box's own disk, bound below
@@ -271,27 +340,38 @@ def filesystem_args(
         if tmp_bytes is not None:
             args += ["--size", str(tmp_bytes)]
         args += ["--tmpfs", path]
-    for h in cover:
-        args += ["--perms", "0755", "--size", str(_HIDDEN_TMPFS_BYTES), "--tmpfs", h]
-    made: set[str] = set()
-    for directory in create:
-        if directory not in made and directory not in expand:
-            made.add(directory)
-            args += ["--perms", "0755", "--dir", directory]
-    # Outer mount points first: a bind under another one (the service's Python in a checkout
-    # under /tmp, below the box's own /tmp) must come after it, or it is covered. In a fresh
-    # /tmp or /dev the directories on the way to a mount point are made traversable first
-    # (bwrap would make them with the keeper's umask, out of the box user's reach).
+    return args
+
+
+def _cover_args(cover: Sequence[str]) -> list[str]:
+    args: list[str] = []
+    for path in cover:
+        args += ["--perms", "0755", "--size", str(_HIDDEN_TMPFS_BYTES), "--tmpfs", path]
+    return args
+
+
+def _mount_args(mounts: Sequence[Mount], mount_points: set[str], made: set[str]) -> list[str]:
+    """The binds, outer mount points first: a bind under another one (the service's Python in
+    a checkout under /tmp, below the box's own /tmp) must come after it, or it is covered. In
+    a fresh /tmp or /dev the directories on the way to a mount point are made traversable
+    first (bwrap would make them with the keeper's umask, out of the box user's reach)."""
+    args: list[str] = []
     for m in sorted(mounts, key=lambda m: len(_components(m.inside))):
-        if fresh(m.inside):
+        if _fresh(m.inside):
             for directory in _components(m.inside)[1:-1]:
                 if directory not in made and directory not in mount_points:
                     made.add(directory)
                     args += ["--perms", "0755", "--dir", directory]
         args += ["--bind" if m.writable else "--ro-bind", m.source, m.inside]
-    # A hidden path a mount brings (back) into view, like the state root under a bound
-    # source tree, is covered where it appears, after the mounts.
-    covered = set(cover)
+    return args
+
+
+def _covers_in_mounts(
+    hidden: Sequence[str], mounts: Sequence[Mount], covered: set[str]
+) -> list[str]:
+    """Where a bind brings a hidden path (back) into view, like the state root under a bound
+    source tree: covered there, after the binds."""
+    found: list[str] = []
     for h in hidden:
         for m in mounts:
             if m.source == h or not _under(h, [m.source]):
@@ -299,8 +379,14 @@ def filesystem_args(
             inside = m.inside.rstrip("/") + h[len(m.source.rstrip("/")) :]
             if inside not in covered:
                 covered.add(inside)
-                args += ["--perms", "0755", "--size", str(_HIDDEN_TMPFS_BYTES), "--tmpfs", inside]
-    return args
+                found.append(inside)
+    return found
+
+
+def service_dirs() -> list[str]:
+    """The service's data directory (`ROLLSERVE_DATA_DIR`, its results and Redis data
+    within), hidden from every box like the state root."""
+    return [os.path.realpath(os.environ.get("ROLLSERVE_DATA_DIR") or ".rollserve")]
 
 
 def env_extra_paths() -> list[str]:
@@ -377,7 +463,8 @@ class BubblewrapSandbox(ProcessSandbox):
             spec.root,
             [*self._mounts(), *disk_mounts(info)],
             expose=backend.root_paths if spec.root is None else None,
-            hidden=[*backend.hidden, state_root] if spec.root is None else [state_root],
+            # Whatever the root: an image root that holds host paths shows them covered.
+            hidden=[*backend.hidden, *service_dirs(), state_root],
             tmp_bytes=spec.limits.disk_bytes or spec.limits.memory_bytes,
         )
 
@@ -428,7 +515,9 @@ class BubblewrapSandbox(ProcessSandbox):
                 # with this process through its exit pipe.
                 env = host_env(self.id, self.job_id)
                 del env[LABEL_ID]
-                self._network = BoxNetwork.start(self.state_dir, self._egress_rules, env)
+                self._network = BoxNetwork.start(
+                    self.state_dir, self._egress_rules, env, self._backend.egress_networks
+                )
             return self._network.netns_path
 
     @property
@@ -467,10 +556,13 @@ class BubblewrapBackend(SandboxBackend):
         extra_paths: Sequence[str] | None = None,
         hidden: Sequence[str] = DEFAULT_HIDDEN,
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
+        egress_networks: Sequence[Network] | None = None,
     ) -> None:
         """`extra_paths` are host paths boxes on the host's root see read-only besides
         `MINIMAL_ROOT` (None: those `ROLLSERVE_SANDBOX_EXTRA_PATHS` names); `hidden` are
-        covered with an empty tmpfs wherever such a box would see them."""
+        covered with an empty tmpfs wherever such a box would see them; `egress_networks`
+        are the private networks an allowed host of a box with network may resolve into
+        (None: those `ROLLSERVE_SANDBOX_EGRESS_NETWORKS` names; none by default)."""
         self.executable = executable or shutil.which("bwrap") or "bwrap"
         extras = env_extra_paths() if extra_paths is None else list(extra_paths)
         for path in extras:
@@ -482,6 +574,9 @@ class BubblewrapBackend(SandboxBackend):
         self.root_paths = tuple(dict.fromkeys([*MINIMAL_ROOT, *extras, *resolved]))
         self.hidden = tuple(hidden)
         self.uid_range = uid_range
+        if egress_networks is None:
+            egress_networks = parse_networks(os.environ.get(PRIVATE_SETTING))
+        self.egress_networks = tuple(egress_networks)
         self.privileged = os.geteuid() == 0
 
     @functools.cache  # noqa: B019 - one answer per backend object is the point

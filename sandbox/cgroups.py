@@ -129,9 +129,13 @@ def _v2_parent() -> tuple[HostCgroups | None, str]:
         return None, f"cgroup v2 at {mount} has no memory or pids controller"
     own = _own_cgroups().get("", "/")
     # The nearest ancestor that lets this process make cgroups and move processes into
-    # them: the root as root, or a subtree delegated to this user.
+    # them: the root as root, or a subtree delegated to this user. Last, this process's own
+    # cgroup, when it was delegated (systemd's Delegate=yes): its processes move to a leaf.
     parts = [p for p in own.split("/") if p]
     ancestors = [os.path.join(mount, *parts[:n]) for n in range(max(len(parts) - 1, 0), -1, -1)]
+    own_dir = os.path.join(mount, *parts)
+    if parts:
+        ancestors.append(own_dir)
     why = f"no cgroup v2 subtree above {own} is writable (not root, no delegation)"
     for ancestor in ancestors:
         # Moving a process needs write access to the common ancestor's cgroup.procs too.
@@ -142,6 +146,11 @@ def _v2_parent() -> tuple[HostCgroups | None, str]:
         try:
             if ancestor == mount and not all(c in enabled for c in _REQUIRED):
                 _write(os.path.join(mount, "cgroup.subtree_control"), "+memory +pids")
+            elif ancestor == own_dir and not all(c in enabled for c in _REQUIRED):
+                _leave_for_leaf(own_dir)
+                offered = _read(os.path.join(own_dir, "cgroup.controllers")).split()
+                handed = " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in offered)
+                _write(os.path.join(own_dir, "cgroup.subtree_control"), handed)
             parent = os.path.join(ancestor, PARENT)
             os.makedirs(parent, exist_ok=True)
             offered = _read(os.path.join(parent, "cgroup.controllers")).split()
@@ -154,6 +163,25 @@ def _v2_parent() -> tuple[HostCgroups | None, str]:
         if all(c in wanted for c in _REQUIRED):
             return HostCgroups(2, (parent,), cpu="cpu" in wanted), ""
     return None, why
+
+
+LEAF = "service"
+"""The child a delegated cgroup's own processes move to (`_leave_for_leaf`)."""
+
+
+def _leave_for_leaf(directory: str) -> None:
+    """Move every process of the delegated cgroup `directory` into its child `LEAF`: cgroup
+    v2 lets only a cgroup that holds no process hand controllers down to its children (the
+    boxes' cgroups). Processes forked meanwhile are moved on the next pass."""
+    leaf = os.path.join(directory, LEAF)
+    os.makedirs(leaf, exist_ok=True)
+    for _ in range(10):
+        pids = _read(os.path.join(directory, "cgroup.procs")).split()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):  # a process that exited meanwhile
+                _write(os.path.join(leaf, "cgroup.procs"), pid)
 
 
 @functools.cache

@@ -10,7 +10,8 @@ namespace. The proxy runs in the service's process, in the host's namespace:
   box aimed at. A connection that names no host, or a host and port no rule allows, is
   refused (a TLS `access_denied` alert, or an HTTP 403). An allowed one is resolved by the
   host (the box's choice of address is ignored), the addresses the box must never reach are
-  dropped (the host's own, loopback, link-local, cloud metadata, the box's own network), and
+  dropped (the host's own, loopback, link-local, cloud metadata, the box's own network, and
+  private ranges the operator did not list in `ROLLSERVE_SANDBOX_EGRESS_NETWORKS`), and
   the proxy connects from the box's namespace, through slirp4netns, then relays the bytes.
 - **DNS**: A queries for a name a rule allows are answered with the addresses the host
   resolves; any other name is answered NXDOMAIN and recorded; other query types of an allowed
@@ -53,6 +54,8 @@ SNIFF_SECONDS = 10.0
 """How long a connection may take to send the bytes that name its host."""
 CONNECT_SECONDS = 10.0
 DNS_TTL = 60
+PRIVATE_SETTING = "ROLLSERVE_SANDBOX_EGRESS_NETWORKS"
+"""The setting naming the private networks an allowed host may resolve into."""
 
 SO_ORIGINAL_DST = 80
 _TLS_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
@@ -63,6 +66,14 @@ _METADATA = tuple(
 )
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+PRIVATE: tuple[Network, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "198.18.0.0/15",
+              "fc00::/7")
+)  # fmt: skip
+"""Private ranges (RFC 1918, shared address space, benchmarking, unique local): the networks
+of a site, which an allowed name must not lead a box into unless the operator lists them."""
 SocketFactory = Callable[[], socket.socket]
 
 
@@ -205,8 +216,13 @@ def is_host_address(address: Address) -> bool:
     return True
 
 
-def refused_address(address: Address, box_network: ipaddress.IPv4Network) -> str | None:
-    """Why a box may not reach `address` (None: it may)."""
+def refused_address(
+    address: Address, box_network: ipaddress.IPv4Network, private: Sequence[Network] = ()
+) -> str | None:
+    """Why a box may not reach `address` (None: it may). Loopback, link-local, cloud metadata,
+    the box's own network and this host's addresses are refused whatever `private` says; an
+    address in a `PRIVATE` range only when no network of `private` (the operator's
+    `ROLLSERVE_SANDBOX_EGRESS_NETWORKS`) holds it."""
     if address.is_loopback:
         return "loopback"
     if address.is_link_local:
@@ -217,18 +233,24 @@ def refused_address(address: Address, box_network: ipaddress.IPv4Network) -> str
         return "an address of the service's network"
     if is_host_address(address):
         return "an address of this host"
+    if any(address in net for net in PRIVATE) and not any(address in net for net in private):
+        return f"a private address ({PRIVATE_SETTING} does not list it)"
     return None
 
 
-def resolve(name: str, port: int, box_network: ipaddress.IPv4Network) -> list[str]:
-    """The IPv4 addresses of `name` a box may reach; OSError when the name does not
-    resolve, or resolves only to addresses it may not reach."""
+def resolve(
+    name: str, port: int, box_network: ipaddress.IPv4Network, private: Sequence[Network] = ()
+) -> list[str]:
+    """The IPv4 addresses of `name` a box may reach (`refused_address`); OSError when the
+    name does not resolve, or resolves only to addresses it may not reach."""
     infos = socket.getaddrinfo(name, port, socket.AF_INET, socket.SOCK_STREAM)
     found = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    usable = [a for a in found if refused_address(ipaddress.ip_address(a), box_network) is None]
+    why = [refused_address(ipaddress.ip_address(a), box_network, private) for a in found]
+    usable = [a for a, refused in zip(found, why, strict=True) if refused is None]
     if not usable:
-        why = refused_address(ipaddress.ip_address(found[0]), box_network) if found else None
-        raise OSError(f"{name} resolves only to addresses boxes may not reach ({why})")
+        raise OSError(
+            f"{name} resolves only to addresses boxes may not reach ({why[0] if why else None})"
+        )
     return usable
 
 
@@ -249,8 +271,10 @@ class EgressProxy:
         outbound: SocketFactory,
         log: EventLog,
         box_network: ipaddress.IPv4Network,
+        private: Sequence[Network] = (),
     ) -> None:
         self.rules = tuple(rules)
+        self.private = tuple(private)
         self.log = log
         self._listener = listener
         self._resolver = resolver
@@ -377,7 +401,7 @@ class EgressProxy:
             return None
         assert name is not None
         try:
-            targets = resolve(name, port, self._box_network)
+            targets = resolve(name, port, self._box_network, self.private)
             upstream = self._connect(targets, port)
         except OSError as exc:
             self.log.record(allowed=True, error=str(exc) or type(exc).__name__, **where)
@@ -438,7 +462,7 @@ class EgressProxy:
             self._record_refused_lookup(name)
         elif qtype == 1:  # A
             try:
-                addresses = resolve(name, 0, self._box_network)
+                addresses = resolve(name, 0, self._box_network, self.private)
             except socket.gaierror as exc:
                 code = 3 if exc.errno == socket.EAI_NONAME else 2
             except OSError:

@@ -103,8 +103,15 @@ def launch(spec: SandboxSpec, backend: str, state_root: Path, timeout: float = 6
     proc.stdin.write(spec_to_json(spec).encode())
     proc.stdin.close()
     line = _read_line(proc, timeout)
-    answer = json.loads(line) if line else {"error": "the keeper exited without a word"}
-    if "error" in answer:
+    answer = _report(line)
+    kept = None
+    if "error" not in answer:
+        try:
+            kept = KeptSandbox(keeper_pid=proc.pid, job_id=spec.job_id, **answer)
+        except TypeError:
+            answer = {"error": f"the keeper's report is not one: {line[:300]!r}"}
+    if kept is None:
+        # Whatever the keeper started goes with it: it stops its box on SIGTERM.
         _end(proc)
         said = drop_log(state_root, spec.job_id)
         raise SandboxStartError(
@@ -112,7 +119,21 @@ def launch(spec: SandboxSpec, backend: str, state_root: Path, timeout: float = 6
             + (f" (keeper log: {said})" if said else "")
         )
     proc.stdout.close()
-    return KeptSandbox(keeper_pid=proc.pid, job_id=spec.job_id, **answer)
+    return kept
+
+
+def _report(line: str) -> dict[str, Any]:
+    """The keeper's first line read as its report (an object), or `{"error": ...}` saying
+    what came instead."""
+    if not line:
+        return {"error": "the keeper exited without a word"}
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return {"error": f"the keeper's first line is not its report: {line[:300]!r}"}
+    return answer
 
 
 def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:

@@ -40,7 +40,7 @@ from typing import TypeVar
 
 from core.egress import HostRule
 from sandbox.base import SandboxError
-from sandbox.egress import LOG_NAME, EgressProxy, EventLog
+from sandbox.egress import LOG_NAME, EgressProxy, EventLog, Network
 
 BOX_NETWORK = ipaddress.IPv4Network("10.0.2.0/24")
 """slirp4netns's network inside the box (its default: the box is 10.0.2.100)."""
@@ -199,9 +199,16 @@ class BoxNetwork:
         return self._slirp.pid
 
     @classmethod
-    def start(cls, state_dir: Path, rules: Sequence[HostRule], env: dict[str, str]) -> BoxNetwork:
-        """Make the namespace, its firewall and the proxy (logging to `state_dir`), and start
-        slirp4netns with `env`; SandboxError saying why when any of it fails."""
+    def start(
+        cls,
+        state_dir: Path,
+        rules: Sequence[HostRule],
+        env: dict[str, str],
+        private: Sequence[Network] = (),
+    ) -> BoxNetwork:
+        """Make the namespace, its firewall and the proxy (logging to `state_dir`; allowed
+        hosts may resolve into the `private` networks), and start slirp4netns with `env`;
+        SandboxError saying why when any of it fails."""
         try:
             namespace = _in_thread(_Namespace)
         except OSError as exc:
@@ -218,6 +225,7 @@ class BoxNetwork:
             outbound=outbound,
             log=EventLog(state_dir / LOG_NAME),
             box_network=BOX_NETWORK,
+            private=private,
         )
         try:
             slirp, exit_fd = _start_slirp(f"/proc/{os.getpid()}/fd/{fd}", state_dir, env)

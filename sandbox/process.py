@@ -27,6 +27,7 @@ from sandbox.base import (
     SandboxSpec,
 )
 from sandbox.cgroups import box_end, enter_argv, read_counters
+from sandbox.limits import disk_state, note_box_end
 from sandbox.procs import explain_end, kill_box_processes, kill_group, process_start_time
 from sandbox.startup import (
     await_ready,
@@ -373,6 +374,10 @@ class ProcessSandbox(Sandbox):
         if self.info.cgroup and not result.timed_out:
             after = read_counters(self.info.cgroup)
             result.killed_by = box_end(before, after, result.returncode, result.killed_by)
+        if result.returncode != 0 and result.killed_by in (None, "disk_bytes"):
+            full = disk_state(self.state_dir)
+            if full:
+                result.killed_by = f"box_{full[0][0]}"
         return result
 
     def stop(self) -> None:
@@ -409,6 +414,8 @@ class ProcessSandbox(Sandbox):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
         type(self)._terminate_box(info)
+        # What held the box during the agent's turns, for its trajectory.
+        note_box_end(self.state_dir, info.cgroup)
 
     @property
     def halted(self) -> bool:

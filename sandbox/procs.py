@@ -112,6 +112,7 @@ _LIMIT_TRACES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory_bytes", ("memoryerror", "cannot allocate memory", "bad_alloc", "out of memory",
                       "memory exhausted")),
     ("file_size_bytes", ("file too large",)),
+    ("disk_bytes", ("no space left on device", "disk quota exceeded")),
     ("cpu_seconds", ("cpu time limit exceeded",)),
 )  # fmt: skip
 # bash's own words for a failed fork: specific enough to report even when the command exits

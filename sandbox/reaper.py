@@ -126,16 +126,18 @@ def reap(
                         remove_tree(state_dir)
                         reaped.append(state_dir.name)
             continue
-        if info.host != host:
-            continue
-        reason = why_reap(info, live, now)
-        if reason is None:
+        if info.host != host or why_reap(info, live, now) is None:
             continue
         with locked(state_lock(state_dir), blocking=False) as held:
             current = read_info(state_dir) if held else None
             if current is None:  # another sweep or the owner's stop got there first
                 continue
-            log.info("reaping sandbox %s (job %s): %s", info.id, info.job_id, reason)
+            # Decided again on what the lock holder sees: the box may have been halted for
+            # grading (its processes gone on purpose) since the unlocked read.
+            reason = why_reap(current, live, now)
+            if reason is None:
+                continue
+            log.info("reaping sandbox %s (job %s): %s", current.id, current.job_id, reason)
             backend_class(current.backend).terminate(current)
             release_state(current)
             reaped.append(current.id)

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandbox.base import ENDPOINT_DIR, SandboxError, SandboxInfo, SandboxSpec
+from sandbox import cgroups
+from sandbox.base import (
+    ALLOW_UNLIMITED_ENV,
+    ENDPOINT_DIR,
+    SandboxError,
+    SandboxInfo,
+    SandboxSpec,
+    env_flag,
+)
 from sandbox.boxdisk import DISK_DIR, WORKSPACE_DIR, detach, detach_mounts_under, mount_box_disk
 from sandbox.cgroups import create_cgroup, kill_cgroup, remove_cgroup
 
@@ -307,10 +315,11 @@ def _own_disk(spec: SandboxSpec, state_dir: Path) -> Path | None:
 
 
 def _own_cgroup(spec: SandboxSpec, info: SandboxInfo) -> list[str] | None:
-    """Make the box's cgroup; SandboxError (the state dir removed) if that fails."""
+    """Make the box's cgroup; SandboxError (the state dir removed) if that fails, or if the
+    spec has memory or process limits this host cannot hold (`unlimited_refusal`)."""
     limits = spec.limits
     try:
-        return create_cgroup(
+        dirs = create_cgroup(
             info.id,
             memory_bytes=limits.box_memory_bytes,
             pids=limits.box_pids,
@@ -319,6 +328,28 @@ def _own_cgroup(spec: SandboxSpec, info: SandboxInfo) -> list[str] | None:
     except OSError as exc:
         remove_tree(info.state_dir)
         raise SandboxError(f"cannot make the box's cgroup: {exc}") from exc
+    refusal = unlimited_refusal(spec) if dirs is None else None
+    if refusal is not None:
+        remove_tree(info.state_dir)
+        raise SandboxError(refusal)
+    return dirs
+
+
+def unlimited_refusal(spec: SandboxSpec) -> str | None:
+    """Why a box of `spec` may not start on this host: it has memory or process limits, this
+    host has no cgroups for boxes to hold them, and `ROLLSERVE_SANDBOX_ALLOW_UNLIMITED` is
+    not set (None: it may start)."""
+    limits = spec.limits
+    if limits.box_memory_bytes is None and limits.box_pids is None:
+        return None
+    host, why = cgroups.host_cgroups()
+    if host is not None or env_flag(ALLOW_UNLIMITED_ENV):
+        return None
+    return (
+        f"this host cannot hold a box's memory and process limits ({why}); give the service "
+        "cgroups for boxes (root, or a delegated cgroup v2 subtree: the systemd units' "
+        f"Delegate=yes), or set {ALLOW_UNLIMITED_ENV}=1 to start boxes without them"
+    )
 
 
 SOCKET_RECORD = "toolsock.json"

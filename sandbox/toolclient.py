@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from sandbox.base import SandboxSecurityError
+from sandbox.limits import note_tool_call
 from sandbox.startup import peer_credentials
 from sandbox.statedir import SOCKET_RECORD, SocketIdentity, meta_path, read_socket_identity
 from sandbox.toolserver import protocol
@@ -86,8 +87,8 @@ def expected_identity(socket_path: Path, expect: Expected = None) -> SocketIdent
         return expect
     if expect is not None:
         return SocketIdentity.from_dict(expect)
-    state_dir = socket_path.parent.parent
-    if socket_path.parent.name != "sock" or not meta_path(state_dir).exists():
+    state_dir = sandbox_state_dir(socket_path)
+    if state_dir is None:
         return None
     identity = read_socket_identity(state_dir)
     if identity is None:
@@ -159,6 +160,24 @@ def _connect_unix(path: Path, expect: Expected, timeout: float) -> socket.socket
     return sock
 
 
+AGENT_TOOLS = frozenset({"bash", "ipython", "editor"})
+"""Calls after which the sandbox's limits are looked at (`sandbox.limits`)."""
+
+
+def sandbox_state_dir(socket_path: Path) -> Path | None:
+    """The state dir of the sandbox whose tool server listens at `socket_path` (None for a
+    socket outside any sandbox's state dir)."""
+    state_dir = socket_path.parent.parent
+    if socket_path.parent.name != "sock" or not meta_path(state_dir).exists():
+        return None
+    return state_dir
+
+
+def _note(socket_path: Path, tool: str, result: dict[str, Any] | None) -> None:
+    if tool in AGENT_TOOLS and (state_dir := sandbox_state_dir(socket_path)) is not None:
+        note_tool_call(state_dir, tool, result)
+
+
 def _wait_for(args: dict[str, Any], timeout: float) -> float:
     requested = args.get("timeout")
     if isinstance(requested, int | float) and not isinstance(requested, bool):
@@ -176,6 +195,17 @@ def _result(response: JSONObject, request_id: int) -> JSONObject:
         return result if isinstance(result, dict) else {}
     error = response.get("error") or {}
     raise ToolError(str(error.get("type", "Unknown")), str(error.get("message", "")))
+
+
+def _noted(socket_path: Path, tool: str, response: JSONObject, request_id: int) -> JSONObject:
+    """`_result`, once what the call ran into is recorded for the sandbox."""
+    try:
+        result = _result(response, request_id)
+    except ToolError:
+        _note(socket_path, tool, {})
+        raise
+    _note(socket_path, tool, result)
+    return result
 
 
 class ToolClient:
@@ -233,11 +263,12 @@ class ToolClient:
                 response = self._receive(sock, deadline)
             except TimeoutError as exc:
                 self._drop()
+                _note(self.socket_path, tool, None)
                 raise ToolCallTimeout(f"no answer to {tool!r} in time") from exc
             except (OSError, protocol.ProtocolError) as exc:
                 self._drop()
                 raise ToolServerUnavailable(f"tool server connection failed: {exc}") from exc
-            return _result(response, request_id)
+            return _noted(self.socket_path, tool, response, request_id)
 
     def ping(self) -> JSONObject:
         return self.call("ping")
@@ -362,6 +393,7 @@ class AsyncToolClient:
                     response = await protocol.read_frame(reader, self.max_frame)
             except TimeoutError as exc:
                 await self._drop()
+                _note(self.socket_path, tool, None)
                 raise ToolCallTimeout(f"no answer to {tool!r} in time") from exc
             except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
                 await self._drop()
@@ -369,7 +401,7 @@ class AsyncToolClient:
             if response is None:
                 await self._drop()
                 raise ToolServerUnavailable("tool server closed the connection")
-            return _result(response, request_id)
+            return _noted(self.socket_path, tool, response, request_id)
 
     async def ping(self) -> JSONObject:
         return await self.call("ping")

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from sandbox.backends import get_backend
-from sandbox.cgroups import enforced_limits
+from sandbox.cgroups import LIMIT_NAMES, LimitSupport, enforced_limits
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,11 @@ def node_report(backend: str) -> Report:
     """This host's report for boxes of `backend` (`auto`: the one `get_backend` picks)."""
     name = backend
     if backend == "auto":
-        name = get_backend("auto").name
+        chosen = get_backend("auto")
+        ok, why = chosen.available()
+        if not ok:  # no backend makes boxes here: every job with tools fails, saying why
+            return {limit: LimitSupport(False, why).as_dict() for limit in LIMIT_NAMES}
+        name = chosen.name
     return {limit: support.as_dict() for limit, support in enforced_limits(name).items()}
 
 

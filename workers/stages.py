@@ -18,6 +18,7 @@ from core.schemas import MAX_STALE_RERUNS, TERMINAL_STATUSES, JobStatus, StageEr
 from sandbox.egress import read_events
 from sandbox.harnesses import harness_env_bind, harness_env_ready
 from sandbox.keeper import launch
+from sandbox.limits import read_limit_hits
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
 from workers.freshshell import FreshShell
@@ -162,6 +163,7 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         shell.halt()
         trajectory.outcome = handler.collect_outcome(record.task, shell)
         trajectory.egress = read_events(Path(record.sandbox["state_dir"]))
+        trajectory.limits = read_limit_hits(Path(record.sandbox["state_dir"]))
         if not handler.grades_in_sandbox:
             rt.release_sandbox(job_id)  # EVAL does not need it, and may run on another host
     if isinstance(episode, HarnessEpisode):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sandbox.apptainer import cgroup_options
-from sandbox.base import ExecResult, Limits
+from sandbox.base import ALLOW_UNLIMITED_ENV, ExecResult, Limits
 from sandbox.boxdisk import can_mount
 from sandbox.cgroups import enforced_limits, host_cgroups, kill_cgroup, read_counters, remove_cgroup
 from sandbox.process import ProcessSandbox
@@ -285,6 +285,7 @@ def test_where_the_host_refuses_mounts_and_has_no_cgroups_boxes_fall_back(
 
     monkeypatch.setattr(sandbox.boxdisk, "_mount_tmpfs", refuse)
     monkeypatch.setattr(sandbox.cgroups, "host_cgroups", lambda: (None, "none in this test"))
+    monkeypatch.setenv(ALLOW_UNLIMITED_ENV, "1")  # without it the box would not start
     box = bwrap_sandbox(limits=Limits(disk_bytes=8 * MiB))
     assert isinstance(box, ProcessSandbox)
     assert box.info.disk is None and box.info.cgroup is None

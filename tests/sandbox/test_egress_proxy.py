@@ -139,6 +139,23 @@ def test_the_hosts_own_address_is_refused_and_an_outside_one_is_not() -> None:
     assert refused_address(ipaddress.ip_address("203.0.113.80"), BOX_NETWORK) is None
 
 
+@pytest.mark.parametrize(
+    "address", ["10.1.2.3", "172.16.0.1", "192.168.1.1", "100.64.0.1", "198.18.0.1", "fd00::1"]
+)
+def test_a_private_address_is_refused_unless_its_network_is_listed(address: str) -> None:
+    private = ipaddress.ip_address(address)
+    why = refused_address(private, BOX_NETWORK)
+    assert why is not None and why.startswith("a private address")
+    listed = [ipaddress.ip_network(f"{address}/{private.max_prefixlen}")]
+    assert refused_address(private, BOX_NETWORK, listed) is None
+
+
+def test_listing_a_network_never_opens_loopback_metadata_or_the_boxs_own_network() -> None:
+    everything = [ipaddress.ip_network("0.0.0.0/0")]
+    for address in ("127.0.0.1", "169.254.169.254", "10.0.2.2", "100.100.100.200"):
+        assert refused_address(ipaddress.ip_address(address), BOX_NETWORK, everything)
+
+
 def test_the_record_stops_at_its_cap_and_says_so(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "egress.jsonl", limit=3)
     for port in range(5):

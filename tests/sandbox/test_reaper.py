@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -193,3 +193,36 @@ def test_a_state_dir_never_recorded_is_removed_after_a_grace(state_root: Path) -
 def test_a_missing_state_root_has_nothing_to_reap(tmp_path: Path) -> None:
     assert reap(tmp_path / "nowhere", always_live) == []
     assert list_sandboxes(tmp_path / "nowhere") == []
+
+
+def test_a_box_halted_for_grading_while_a_sweep_looked_is_not_reaped(
+    bwrap_sandbox: SandboxFactory, state_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sandbox.reaper
+
+    box = bwrap_sandbox()
+    box.start(tool_server=False)
+    real_locked = sandbox.reaper.locked
+
+    def halted_meanwhile(path: Path, *, blocking: bool = True) -> Any:
+        # The sweep read the record before the halt; the halt takes the lock first, records
+        # the box as halted and kills its processes, as a RUN that ends does.
+        box.halt()
+        return real_locked(path, blocking=blocking)
+
+    monkeypatch.setattr(sandbox.reaper, "locked", halted_meanwhile)
+    monkeypatch.setattr(sandbox.reaper, "why_reap", counting(sandbox.reaper.why_reap))
+    assert reap(state_root, always_live) == []
+    assert box.state_dir.exists() and box.halted
+
+
+def counting(why_reap: Callable[..., str | None]) -> Callable[..., str | None]:
+    """`why_reap`, whose first answer for a box says its box is gone (its main process was
+    already dead when the sweep first looked), as the halt that follows makes it."""
+    calls: list[object] = []
+
+    def decide(info: Any, live: Callable[[str], bool], now: float) -> str | None:
+        calls.append(info)
+        return "its box is gone" if len(calls) == 1 else why_reap(info, live, now)
+
+    return decide

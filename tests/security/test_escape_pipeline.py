@@ -269,6 +269,11 @@ def test_a_flood_of_output_is_cut(client: RolloutClient, stack: Stack) -> None:
     assert_clean(stack, traj)
 
 
+def hits(traj: Trajectory) -> set[str]:
+    """The box-wide limits the trajectory says the sandbox ran into."""
+    return {hit.limit for hit in traj.limits}
+
+
 def limited(marker: str, check: str = "true", **limits: int) -> dict[str, object]:
     return shell_task(marker, check, sandbox={"limits": limits})
 
@@ -281,6 +286,7 @@ def test_memory_is_limited_for_the_box_as_a_whole(client: RolloutClient, stack: 
     # Each process fits the box; both together do not: at most one lives to print.
     assert re.findall(r"^survived 160$", seen, re.M) in ([], ["survived 160"]), seen
     assert "Killed" in seen, seen
+    assert "memory" in hits(traj), traj.limits  # the trajectory says a limit stopped it
     assert_clean(stack, traj)
 
 
@@ -290,6 +296,7 @@ def test_disk_is_limited_across_workspace_tmp_and_shm(client: RolloutClient, sta
     assert traj.status is JobStatus.completed, traj.error
     assert "No space left on device" in seen, seen
     assert "fill-rc=1" in seen and "shm-rc=1" in seen, seen
+    assert "disk" in hits(traj), traj.limits
     assert_clean(stack, traj)
 
 
@@ -299,6 +306,7 @@ def test_files_are_limited_by_count(client: RolloutClient, stack: Stack) -> None
     assert traj.status is JobStatus.completed, traj.error
     assert "stopped-at" in seen, seen
     assert "No space left on device" in seen, seen
+    assert "inodes" in hits(traj), traj.limits
     assert_clean(stack, traj)
 
 

@@ -160,6 +160,38 @@ def allowed_repo_path(repo_path: Path | str, settings: Settings) -> Path:
     return real
 
 
+IMAGE_REFUSED_TREES = (*REFUSED_TREES, "/root", "/home")
+"""Host trees no image is taken from, whatever `ROLLSERVE_SWE_IMAGE_ROOTS` says."""
+
+
+def allowed_image(image: str, settings: Settings) -> str:
+    """`image` when the policy of `settings` allows it: a URI (`docker://...`) as it is, a
+    path resolved (symlinks, `..`) and under a root of `ROLLSERVE_SWE_IMAGE_ROOTS`, outside
+    `IMAGE_REFUSED_TREES` and the service's data and sandbox directories. A
+    `TaskValidationError` naming `environment.image` otherwise."""
+    if not os.path.isabs(image):
+        return image
+    name = "environment.image"
+    roots = settings.swe_image_root_list
+    if not roots:
+        raise TaskValidationError(
+            name,
+            "names a path on the host, and none is allowed: set ROLLSERVE_SWE_IMAGE_ROOTS (on "
+            "the gateway and the workers) to the directories images may come from",
+        )
+    real = Path(os.path.realpath(image))
+    if not any(real.is_relative_to(root) for root in roots) or real == Path("/"):
+        raise TaskValidationError(
+            name, "is not under a directory ROLLSERVE_SWE_IMAGE_ROOTS allows (once resolved)"
+        )
+    service_dirs = (settings.data_dir, settings.sandbox_dir)
+    for tree in (*IMAGE_REFUSED_TREES, *(os.path.realpath(d) for d in service_dirs)):
+        tree_real = Path(os.path.realpath(tree))
+        if real.is_relative_to(tree_real) or tree_real.is_relative_to(real):
+            raise TaskValidationError(name, f"holds or is in {tree}, which no image may")
+    return str(real)
+
+
 def read_task(task: dict[str, Any]) -> SweTask:
     """The task's fields, checked; a `TaskValidationError` names the first bad one."""
     instance_id = required_text(task, "instance_id")
@@ -246,8 +278,13 @@ def read_task(task: dict[str, Any]) -> SweTask:
 
 def checked_on_worker(task: SweTask, settings: Settings) -> SweTask:
     """`task` with its host repository checked again against this worker's policy
-    (`allowed_repo_path`) and resolved, ready for `box_spec`; raises `SweEnvironmentError`
-    saying why when the policy refuses it."""
+    (`allowed_repo_path`) and resolved, and its image path checked too (`allowed_image`),
+    ready for `box_spec`; raises `SweEnvironmentError` saying why when the policy refuses it."""
+    if task.image is not None:
+        try:
+            task = dataclasses.replace(task, image=allowed_image(task.image, settings))
+        except TaskValidationError as exc:
+            raise SweEnvironmentError(f"{exc.field} {exc.message}") from None
     if task.host_repo is None:
         return task
     try:
