@@ -21,6 +21,7 @@ from api.errors import error_responses, http_error, json_safe, validation_error
 from api.routes import backends, batches, rollouts, sessions, system
 from api.service import RequestError, Services
 from api.ui.routes import install as install_console
+from api.waits import close_async_redis
 from broker.celery_app import create_celery
 from broker.connections import redis_client
 from broker.jobstore import JobNotFound, JobStore
@@ -74,6 +75,34 @@ class BodySizeLimit:
             {"detail": f"request body is larger than the {self.limit}-byte limit"}, status_code=413
         )
         await response({"type": "http"}, _no_receive, send)
+
+
+class NoFraming:
+    """Every answer forbids being shown in a frame of another page (`X-Frame-Options: DENY`,
+    `Content-Security-Policy: frame-ancestors 'none'`), so no site can overlay the console's
+    buttons on its own (clickjacking)."""
+
+    HEADERS = [
+        (b"x-frame-options", b"DENY"),
+        (b"content-security-policy", b"frame-ancestors 'none'"),
+    ]
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_guarded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in self.HEADERS if k not in names]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_guarded)
 
 
 async def _no_receive() -> Message:
@@ -150,6 +179,7 @@ def build_services(settings: Settings) -> Services:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     await sessions.close_session_client(app)
+    await close_async_redis(app)
 
 
 def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
@@ -174,6 +204,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(backends.router, dependencies=auth, responses=v1)
     app.include_router(system.v1_router, dependencies=auth, responses=v1)
     app.include_router(system.open_router)
+    app.include_router(system.metrics_router, dependencies=auth, responses=v1)
     install_console(app)
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
@@ -192,4 +223,5 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.add_exception_handler(redis.exceptions.RedisError, _redis_error)
     app.add_exception_handler(KombuError, _redis_error)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(NoFraming)
     return app

@@ -233,6 +233,7 @@ def _backend_body(
     api: str | None = None,
     capacity: float | None = None,
     tokenizer: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"url": url, "model": model, "kind": kind}
     optional = {
@@ -241,6 +242,7 @@ def _backend_body(
         "api": api,
         "capacity": capacity,
         "tokenizer": tokenizer,
+        "api_key": api_key,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
@@ -464,13 +466,17 @@ class RolloutClient(Sessions, WeightUpdates, _Base):
         api: str | None = None,
         capacity: float | None = None,
         tokenizer: str | None = None,
+        api_key: str | None = None,
     ) -> Backend:
         """``POST /v1/backends``: add (or update) an inference server.
 
         The gateway checks that the server answers and serves ``model`` unless ``verify`` is
-        False (for a server that is still starting).
+        False (for a server that is still starting). ``api_key``: the bearer token the server
+        asks for (its ``--api-key``), sent with every request to it and never shown back.
         """
-        body = _backend_body(url, model, kind, id, policy_version, api, capacity, tokenizer)
+        body = _backend_body(
+            url, model, kind, id, policy_version, api, capacity, tokenizer, api_key
+        )
         params = {} if verify else {"verify": "false"}
         return _parse(Backend, self._request("POST", "/v1/backends", json=body, params=params))
 
@@ -646,9 +652,12 @@ class AsyncRolloutClient(AsyncSessions, AsyncWeightUpdates, _Base):
         api: str | None = None,
         capacity: float | None = None,
         tokenizer: str | None = None,
+        api_key: str | None = None,
     ) -> Backend:
         """``POST /v1/backends``; see `RolloutClient.register_backend`."""
-        body = _backend_body(url, model, kind, id, policy_version, api, capacity, tokenizer)
+        body = _backend_body(
+            url, model, kind, id, policy_version, api, capacity, tokenizer, api_key
+        )
         params = {} if verify else {"verify": "false"}
         response = await self._request("POST", "/v1/backends", json=body, params=params)
         return _parse(Backend, response)

@@ -103,6 +103,7 @@ def documented_methods(request: Request) -> list[str]:
 DESCRIPTIONS: dict[int, str] = {
     400: "The body could not be read as JSON (malformed, a number too long, nested too deep).",
     401: "No bearer token, or a wrong one (`ROLLSERVE_API_TOKEN` is set).",
+    403: "A tenant's token, where only the operator's (`ROLLSERVE_API_TOKEN`) may act.",
     404: "No such job, batch or backend (also for an id of a shape the service never makes).",
     413: "The body, a task in it, or the number of jobs it makes exceeds a configured limit.",
     422: "A field is missing or invalid: `detail` names it (`loc`) and says why.",
@@ -135,6 +136,8 @@ BODY = error_responses(400, 413, 422)
 BY_ID = error_responses(404, 422)
 """A route addressing one job, batch or backend by its id (FastAPI documents a 422 on every
 route with parameters; this gives it the `ErrorBody` shape)."""
+ADMIN = error_responses(403)
+"""A route that changes the fleet: only the operator's token may call it."""
 SUBMISSION = {
     **BODY,
     **error_responses(429, 503, descriptions={503: SUBMISSION_UNAVAILABLE}),

@@ -8,12 +8,13 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
 
+from api import owners
 from api.cursors import CursorError, make_cursor, parse_cursor
 from broker.jobstore import DynamicOptions, JobSpec, JobStore, PoolTask
 from core.schemas import (
@@ -229,12 +230,21 @@ def check_quota(svc: Services, tenant: str, jobs: int) -> None:
         )
 
 
+def owner_ttl(settings: Settings) -> int:
+    """Seconds the record of who owns a batch or job lives: as long as its results do."""
+    return max(settings.job_ttl, settings.results_keep)
+
+
 def _enqueue(
     svc: Services, specs: list[JobSpec], batch_id: str | None, group_size: int, tenant: str
 ) -> None:
+    """Enqueue the jobs (their owner already claimed); a 503, with nothing kept, when the
+    broker does not take them."""
     try:
         svc.dispatcher.enqueue_specs(specs, batch_id, group_size, tenant)
     except DispatchError as exc:
+        lone = specs[0].job_id if batch_id is None and len(specs) == 1 else None
+        owners.release(svc.store, tenant, batch_id=batch_id, job_id=lone)
         raise RequestError(503, str(exc)) from exc
 
 
@@ -260,6 +270,7 @@ def _enqueue_one(
         agent=resolve_agent(request.agent, svc.settings) | (agent_fields or {}),
         group_id=uuid.uuid4().hex,
     )
+    owners.claim(svc.store, tenant, owner_ttl(svc.settings), job_id=spec.job_id)
     _enqueue(svc, [spec], None, 1, tenant)
     return spec.job_id
 
@@ -362,6 +373,7 @@ def submit_batch(
     check_token_limits(svc, request.sampling, ["body", "sampling"])
     check_quota(svc, tenant, count)
     batch_id = uuid.uuid4().hex
+    owners.claim(svc.store, tenant, owner_ttl(svc.settings), batch_id=batch_id)
     sampling = resolve_sampling(request.sampling, svc.settings)
     agent = resolve_agent(request.agent, svc.settings)
     if dynamic is not None:
@@ -372,6 +384,7 @@ def submit_batch(
         try:
             jobs = submit_dynamic(svc.dispatcher, batch_id, pool, dynamic, sampling, agent, tenant)
         except DispatchError as exc:
+            owners.release(svc.store, tenant, batch_id=batch_id)
             raise RequestError(503, str(exc)) from exc
         return batch_id, jobs
     specs: list[JobSpec] = []
@@ -428,12 +441,13 @@ def batch_progress(svc: Services, batch_id: str) -> BatchProgress:
     undone picked up (see `Dispatcher.recover`)."""
     progress = svc.store.batch_progress(batch_id)
     if not progress.done and (progress.dynamic is not None or progress.finished >= progress.total):
-        _recover(svc, batch_id)
+        recover_batch(svc, batch_id)
         progress = svc.store.batch_progress(batch_id)
     return progress
 
 
-def _recover(svc: Services, batch_id: str) -> None:
+def recover_batch(svc: Services, batch_id: str) -> None:
+    """Pick up what a worker that died left undone of the batch (`Dispatcher.recover`)."""
     # past the longest hard time limit every stage of a cancelled job has been killed
     svc.dispatcher.recover(batch_id, stuck_after=svc.settings.longest_hard_limit + 60.0)
 
@@ -474,23 +488,3 @@ def result_line(batch_id: str, entry_id: str, trajectory: Trajectory) -> bytes:
     body = trajectory.model_dump_json().encode()
     cursor = json.dumps(make_cursor(batch_id, entry_id)).encode()
     return body[:-1] + b',"cursor":' + cursor + b"}\n"
-
-
-def stream_results(svc: Services, batch_id: str, after: str | None = None) -> Iterator[bytes]:
-    """NDJSON lines: every finished trajectory of the batch as it finishes (for a dynamic batch:
-    the jobs of each accepted group as it is accepted, ending once the batch is done), each
-    with its `cursor`, from the line after stream entry `after` (see `resume_point`); a blank
-    keep-alive line after each second without news. A line is delivered once the stream
-    goes on past it (see `deliver`)."""
-    dynamic = svc.store.is_dynamic(batch_id)
-    idle = 0
-    for item in svc.store.iter_results(batch_id, after):
-        if item is None:
-            idle += 1
-            if dynamic and idle % 10 == 0:
-                _recover(svc, batch_id)
-            yield b"\n"
-            continue
-        entry_id, job_id = item
-        yield result_line(batch_id, entry_id, svc.store.trajectory(job_id))
-        svc.store.delivered(job_id)  # the server took the line and asks for the next

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from core.values import MAX_POLICY_VERSION, Text
 
@@ -37,6 +37,10 @@ class BackendSpec(BaseModel):
     """SGLang only: the Hugging Face tokenizer (a path on the workers, or a hub name they can
     load) that renders chat templates, since SGLang's `/tokenize` cannot; `model` when
     absent. vLLM renders through its own `/tokenize`."""
+    api_key: str | None = Field(default=None, pattern=r"^[!-~]{8,512}$")
+    """The bearer token the server asks for (vLLM's and SGLang's `--api-key`; the servers
+    `rollserve up` starts always have one). Workers send it with every request; it is never
+    shown back (`GET /v1/backends` says only `api_key_set`)."""
 
     # The `after` check is defined before `_mask_credentials`, which makes the masking run
     # first and every error about the URL (pattern, length, this check) show the masked
@@ -160,6 +164,14 @@ class Backend(BaseModel):
     max_model_len: int | None = None
     """The context length the server reported when it was registered (`max_model_len` of
     its `/v1/models`); None when unknown (not reported, or registered with `verify=false`)."""
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    """The server's bearer token, for the workers' requests; never serialised."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def api_key_set(self) -> bool:
+        """Whether requests to the server carry a bearer token."""
+        return self.api_key is not None
 
 
 class BackendWeightUpdate(BaseModel):

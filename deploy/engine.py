@@ -26,10 +26,13 @@ from pathlib import Path
 import httpx
 
 from deploy.vllm_env import VllmStatus, find_vllm, vllm_process_env
+from routing.vllm import bearer
 
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
 """Modules vLLM imports from its own virtualenv (this directory goes on its `PYTHONPATH`)."""
 WORKER_EXTENSION = "rollserve_vllm_worker.RollserveWorker"
+GUARD_MIDDLEWARE = "rollserve_vllm_guard.GuardEveryRoute"
+"""The ASGI middleware asking for the API key on every route (`routing.devserver.guard`)."""
 """The worker extension whose `rollserve_load_weights` loads new weights (`routing.weights`)."""
 
 MAX_NUM_SEQS = 16
@@ -74,9 +77,15 @@ def vllm_argv(
     served_name: str,
     max_model_len: int = 2048,
     extra_args: list[str] | None = None,
+    *,
+    guarded: bool = False,
 ) -> list[str]:
     """The command serving `model_dir` on loopback `port` as `served_name`, with rollserve's
-    worker extension (which needs `vllm_env`'s `PYTHONPATH`)."""
+    worker extension (which needs `vllm_env`'s `PYTHONPATH`). `guarded`: every route but the
+    liveness probes asks for the key `vllm_env(..., api_key=)` sets (`--middleware
+    rollserve_vllm_guard.GuardEveryRoute`; vLLM's own `--api-key` covers only `/v1` and a few
+    other prefixes, not its development routes)."""
+    guard = ["--middleware", GUARD_MIDDLEWARE] if guarded else []
     return [
         str(status.executable), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
@@ -86,6 +95,7 @@ def vllm_argv(
         "--max-num-seqs", str(MAX_NUM_SEQS),
         "--max-num-batched-tokens", str(MAX_NUM_SEQS * max_model_len),
         "--worker-extension-cls", WORKER_EXTENSION,
+        *guard,
         *(extra_args or []),
     ]  # fmt: skip
 
@@ -95,7 +105,7 @@ IPC_DIR_MAX = 64
 characters, and a Unix socket's path holds at most 107."""
 
 
-def vllm_env(scratch: Path) -> dict[str, str]:
+def vllm_env(scratch: Path, api_key: str | None = None) -> dict[str, str]:
     """The server's whole environment (not the project's venv), its files under `scratch`.
 
     When `scratch` is too deep for vLLM's sockets (`IPC_DIR_MAX`), its temporary files go to
@@ -108,12 +118,20 @@ def vllm_env(scratch: Path) -> dict[str, str]:
     env = vllm_process_env(scratch)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["PYTHONPATH"] = str(PLUGINS)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # in the environment, never on the command line
     if len(str(scratch.resolve())) > IPC_DIR_MAX:
         env["TMPDIR"] = tempfile.mkdtemp(prefix="rollserve-vllm-", dir="/tmp")
     return env
 
 
-def wait_served(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+def wait_served(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    timeout: float,
+    api_key: str | None = None,
+) -> None:
     """Block until the server at `url` answers `/health` with 200 and lists its model; raise
     `RuntimeError` with the end of its log if it exits, `TimeoutError` after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -126,7 +144,8 @@ def wait_served(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: flo
         try:
             if (
                 httpx.get(f"{url}/health", timeout=5).status_code == 200
-                and httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+                and httpx.get(f"{url}/v1/models", timeout=5, headers=bearer(api_key)).status_code
+                == 200
             ):
                 return
         except httpx.HTTPError:

@@ -111,6 +111,9 @@ class Stack:
         self.gateway_url = ""
         self.dev_backend_url = ""
         self.vllm_url = ""
+        self.backend_api_key = secrets.token_urlsafe(32)
+        """The bearer token the inference servers this stack starts ask for on every route
+        but their liveness probes (given to them in the environment, registered with them)."""
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.worker_names: dict[str, str] = {}
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
@@ -265,13 +268,20 @@ class Stack:
         if opts.unscored:
             argv += ["--unscored"]
         argv += opts.extra_args
-        proc = self._spawn("dev-backend", argv)
+        proc = self._spawn("dev-backend", argv, {"VLLM_API_KEY": self.backend_api_key})
         # First start may build the tiny model (a few seconds) before it listens.
         wait_for_port("127.0.0.1", port, 180, proc)
         self.dev_backend_url = f"http://127.0.0.1:{port}"
         model = (opts.model_dir or self.settings.tiny_model_dir).name
         self.options.backends.insert(
-            0, {"url": self.dev_backend_url, "model": model, "kind": "vllm", "id": "dev"}
+            0,
+            {
+                "url": self.dev_backend_url,
+                "model": model,
+                "kind": "vllm",
+                "id": "dev",
+                "api_key": self.backend_api_key,
+            },
         )
 
     def _start_vllm(self, opts: VllmOptions) -> None:
@@ -285,16 +295,27 @@ class Stack:
             model_dir = make_tiny_model(self.settings.tiny_model_dir)
         port = opts.port or free_port()
         name = model_dir.name
-        argv = vllm_argv(status, model_dir, port, name, opts.max_model_len, opts.extra_args)
+        argv = vllm_argv(
+            status, model_dir, port, name, opts.max_model_len, opts.extra_args, guarded=True
+        )
         scratch = self.data_dir / "vllm"
-        env = vllm_env(scratch)
+        env = vllm_env(scratch, api_key=self.backend_api_key)
         tmp = Path(env["TMPDIR"]).resolve()
         if not tmp.is_relative_to(scratch.resolve()):
             self._scratch.append(tmp)  # moved: too deep for vLLM's sockets; removed at stop
         proc = self._spawn("vllm", argv, whole_env=env)
         self.vllm_url = f"http://127.0.0.1:{port}"
-        wait_served(self.vllm_url, proc, self.data_dir / "logs" / "vllm.log", opts.ready_timeout)
-        self.options.backends.insert(0, {"url": self.vllm_url, "model": name, "kind": "vllm"})
+        wait_served(
+            self.vllm_url,
+            proc,
+            self.data_dir / "logs" / "vllm.log",
+            opts.ready_timeout,
+            api_key=self.backend_api_key,
+        )
+        self.options.backends.insert(
+            0,
+            {"url": self.vllm_url, "model": name, "kind": "vllm", "api_key": self.backend_api_key},
+        )
 
     def start_worker(
         self,

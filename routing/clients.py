@@ -33,19 +33,23 @@ def make_client(
     timeout: float,
     retries: int,
     tokenizer: str | None = None,
+    api_key: str | None = None,
 ) -> InferenceClient:
     """The client for a backend of `kind` ("vllm" or "sglang") speaking `api`.
 
     For vLLM, `api` "completions" gives `VLLMClient` and "generate" `VLLMGenerateClient`;
     SGLang has one native API, so `api` is not consulted. `tokenizer` (a local path or hub
     name) is what the SGLang client renders chat messages with; it defaults to `model`.
+    `api_key` is sent as a bearer token with every request.
     """
     if kind == "vllm":
         if api == "completions":
-            return VLLMClient(url, model, timeout=timeout, retries=retries)
+            return VLLMClient(url, model, timeout=timeout, retries=retries, api_key=api_key)
         if api == "generate":
-            return VLLMGenerateClient(url, model, timeout=timeout, retries=retries)
+            return VLLMGenerateClient(url, model, timeout=timeout, retries=retries, api_key=api_key)
         raise ValueError(f"unknown vLLM api {api!r}: expected one of {', '.join(VLLM_APIS)}")
     if kind == "sglang":
-        return SGLangClient(url, model, timeout=timeout, retries=retries, tokenizer=tokenizer)
+        return SGLangClient(
+            url, model, timeout=timeout, retries=retries, tokenizer=tokenizer, api_key=api_key
+        )
     raise ValueError(f"unknown backend kind {kind!r}: expected one of {', '.join(CLIENT_KINDS)}")

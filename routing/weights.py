@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from core.schemas import Backend
+from routing.vllm import bearer
 
 LOAD_METHOD = "rollserve_load_weights"
 """The worker method (rollserve's vLLM worker extension) that loads a checkpoint directory."""
@@ -178,7 +179,11 @@ async def load_weights(
     try:
         async with (
             asyncio.timeout(timeout),
-            httpx.AsyncClient(base_url=backend.url, timeout=timeout) as http,
+            httpx.AsyncClient(
+                base_url=backend.url,
+                timeout=timeout,
+                headers=bearer(backend.api_key),
+            ) as http,
         ):
             if backend.kind == "sglang":
                 await _load_sglang(http, backend, model_path, weight_version)

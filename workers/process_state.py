@@ -97,7 +97,10 @@ class Runtime:
     def policy(self, backend: Backend) -> tuple[InferenceClient, ChatTemplater]:
         """The client and templater of `backend`, rebuilt if its URL, API or model changed
         (or it was made on another event loop)."""
-        key = f"{backend.kind}|{backend.api}|{backend.url}|{backend.model}|{backend.tokenizer}"
+        key = (
+            f"{backend.kind}|{backend.api}|{backend.url}|{backend.model}|{backend.tokenizer}"
+            f"|{hash(backend.api_key)}"
+        )
         with contextlib.suppress(RuntimeError):
             key += f"|{id(asyncio.get_running_loop())}"
         cached = self._clients.get(backend.id)
@@ -110,6 +113,7 @@ class Runtime:
                 timeout=self.settings.backend_timeout,
                 retries=self.settings.backend_retries,
                 tokenizer=backend.tokenizer,
+                api_key=backend.api_key,
             )
             if cached is not None:
                 _close_later(cached[1], self.settings.backend_timeout + CLOSE_MARGIN)

@@ -1,5 +1,9 @@
 """`/v1/backends`: the inference servers jobs are assigned to, their drain/resume for weight
-updates, and the weight update itself (`POST /v1/backends/update_weights`)."""
+updates, and the weight update itself (`POST /v1/backends/update_weights`).
+
+The fleet is the operator's: registering, replacing, draining, resuming and deleting backends
+and pushing weights need the operator's token (`ROLLSERVE_API_TOKEN`; a tenant's answers 403).
+Waits for a drain hold no thread of the gateway (`api.waits`)."""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
-from api.deps import services
-from api.errors import BODY, BY_ID, error_responses
+from api.deps import require_admin, services
+from api.errors import ADMIN, BODY, BY_ID, error_responses
 from api.service import RequestError, Services
+from api.waits import await_idle
 from core.schemas import (
     Backend,
     BackendSpec,
@@ -23,12 +28,15 @@ from core.schemas import (
     WeightUpdateReport,
     WeightUpdateRequest,
 )
-from core.settings import IPNetwork
+from core.settings import IPNetwork, Settings
 from routing.addresses import BackendAddressError, check_backend_url
 from routing.pool import BackendPool
+from routing.sglang import TokenizerRefused, check_tokenizer_name, tokenizer_roots
+from routing.vllm import bearer
 from routing.weights import WeightUpdateError, load_weights
 
 router = APIRouter(prefix="/v1/backends", tags=["backends"])
+ADMIN_ONLY = [Depends(require_admin)]
 
 MAX_DRAIN_WAIT = 3600.0
 MODELS_LIMIT = 1024 * 1024
@@ -48,16 +56,36 @@ def check_address(spec: BackendSpec, networks: tuple[IPNetwork, ...]) -> None:
         raise RequestError(422, str(exc), URL_LOC) from None
 
 
-def _fetch_models(url: str, timeout: float) -> bytes:
-    """The body of `GET url`, at most `MODELS_LIMIT` bytes, within about `timeout` seconds
-    in all; a RequestError saying what went wrong, never what the server sent."""
+def check_tokenizer(spec: BackendSpec, settings: Settings) -> None:
+    """Refuse an SGLang backend whose tokenizer (its `tokenizer`, else its `model`, which the
+    workers then load as one) names a local path outside `ROLLSERVE_TOKENIZER_ROOTS`, or
+    anything but a hub id (`routing.sglang.check_tokenizer_name`)."""
+    if spec.kind != "sglang":
+        return
+    field, name = ("tokenizer", spec.tokenizer) if spec.tokenizer else ("model", spec.model)
+    try:
+        check_tokenizer_name(name, tokenizer_roots(settings))
+    except TokenizerRefused as exc:
+        hint = "" if field == "tokenizer" else " (it names the tokenizer: set `tokenizer`)"
+        raise RequestError(422, f"{field}: {exc}{hint}", ["body", field]) from None
+
+
+def _fetch_models(url: str, timeout: float, api_key: str | None = None) -> bytes:
+    """The body of `GET url` (with the backend's `api_key` as a bearer token), at most
+    `MODELS_LIMIT` bytes, within about `timeout` seconds in all; a RequestError saying what
+    went wrong, never what the server sent."""
     deadline = time.monotonic() + timeout
     where = f"GET {url}"
     try:
         with (
             httpx.Client(timeout=timeout, follow_redirects=False) as client,
-            client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as answer,
+            client.stream(
+                "GET", url, headers={"Accept-Encoding": "identity", **bearer(api_key)}
+            ) as answer,
         ):
+            if answer.status_code == 401:
+                why = "refused the api_key given" if api_key else "asks for an api_key"
+                raise RequestError(422, f"{where} answered HTTP 401: it {why}", ["body", "api_key"])
             if answer.status_code != 200:
                 raise RequestError(
                     422, f"{where} answered HTTP {answer.status_code}, not 200", URL_LOC
@@ -97,7 +125,7 @@ def check_reachable(spec: BackendSpec, timeout: float = 5.0) -> int | None:
     The errors say what is wrong with the answer, never what it held.
     """
     url = spec.url.rstrip("/") + "/v1/models"
-    body = _fetch_models(url, timeout)
+    body = _fetch_models(url, timeout, spec.api_key)
     not_openai = RequestError(
         422,
         f'GET {url} {UNLIKE_OPENAI} (a JSON object whose "data" lists models, each with a '
@@ -127,16 +155,6 @@ def check_reachable(spec: BackendSpec, timeout: float = 5.0) -> int | None:
     return None
 
 
-def wait_until_idle(pool: BackendPool, ids: list[str], wait: float) -> list[Backend]:
-    """The backends once none of them is held by a job, or as they are after `wait` seconds."""
-    deadline = time.monotonic() + min(wait, MAX_DRAIN_WAIT)
-    while True:
-        backends = [b for b in (pool.get(i) for i in ids) if b is not None]
-        if all(b.idle for b in backends) or time.monotonic() >= deadline:
-            return backends
-        time.sleep(0.05)
-
-
 def _known(pool: BackendPool, backend_id: str) -> Backend:
     backend = pool.get(backend_id)
     if backend is None:
@@ -152,7 +170,13 @@ WAIT = Query(
 )
 
 
-@router.post("", status_code=201, response_model=Backend, responses=BODY)
+@router.post(
+    "",
+    status_code=201,
+    response_model=Backend,
+    responses={**BODY, **ADMIN},
+    dependencies=ADMIN_ONLY,
+)
 def register(
     spec: BackendSpec,
     verify: bool = Query(
@@ -172,6 +196,7 @@ def register(
             "`tokenizer` applies to SGLang only; vLLM renders chat templates through /tokenize",
             ["body", "tokenizer"],
         )
+    check_tokenizer(spec, svc.settings)
     check_address(spec, svc.settings.backend_network_list)
     max_model_len = check_reachable(spec) if verify else None
     return svc.pool.register(spec, max_model_len=max_model_len)
@@ -182,17 +207,29 @@ def list_backends(svc: Services = Depends(services)) -> list[Backend]:
     return svc.pool.list()
 
 
-@router.post("/drain", response_model=list[Backend], responses=error_responses(422))
-def drain_all(wait: float = WAIT, svc: Services = Depends(services)) -> list[Backend]:
+@router.post(
+    "/drain",
+    response_model=list[Backend],
+    responses={**error_responses(422), **ADMIN},
+    dependencies=ADMIN_ONLY,
+)
+async def drain_all(wait: float = WAIT, svc: Services = Depends(services)) -> list[Backend]:
     """Assign nothing new to any backend; running requests finish and their jobs wait between
     turns until a backend is resumed. With `wait`, answers once every backend is idle."""
-    ids = svc.pool.ids()
-    for backend_id in ids:
-        svc.pool.drain(backend_id)
-    return wait_until_idle(svc.pool, ids, wait)
+
+    def drain_every() -> list[str]:
+        ids = svc.pool.ids()
+        for backend_id in ids:
+            svc.pool.drain(backend_id)
+        return ids
+
+    ids = await asyncio.to_thread(drain_every)
+    return await await_idle(svc.pool, ids, min(wait, MAX_DRAIN_WAIT))
 
 
-@router.post("/resume", response_model=list[Backend], responses=BODY)
+@router.post(
+    "/resume", response_model=list[Backend], responses={**BODY, **ADMIN}, dependencies=ADMIN_ONLY
+)
 def resume_all(
     body: ResumeRequest | None = None, svc: Services = Depends(services)
 ) -> list[Backend]:
@@ -235,7 +272,7 @@ async def update_one(
         )
 
     await asyncio.to_thread(pool.drain, backend_id)
-    found = await asyncio.to_thread(wait_until_idle, pool, [backend_id], body.timeout)
+    found = await await_idle(pool, [backend_id], min(body.timeout, MAX_DRAIN_WAIT))
     drain_seconds = time.monotonic() - began
     if not found:
         return failed("it was removed during the update")
@@ -264,7 +301,8 @@ async def update_one(
 @router.post(
     "/update_weights",
     response_model=WeightUpdateReport,
-    responses={**BODY, **UPDATE_ERRORS},
+    responses={**BODY, **UPDATE_ERRORS, **ADMIN},
+    dependencies=ADMIN_ONLY,
 )
 async def update_weights(
     body: WeightUpdateRequest, svc: Services = Depends(services)
@@ -312,17 +350,31 @@ def get_backend(backend_id: str, svc: Services = Depends(services)) -> Backend:
     return _known(svc.pool, backend_id)
 
 
-@router.post("/{backend_id}/drain", response_model=Backend, responses=BY_ID)
-def drain(backend_id: str, wait: float = WAIT, svc: Services = Depends(services)) -> Backend:
+@router.post(
+    "/{backend_id}/drain",
+    response_model=Backend,
+    responses={**BY_ID, **ADMIN},
+    dependencies=ADMIN_ONLY,
+)
+async def drain(backend_id: str, wait: float = WAIT, svc: Services = Depends(services)) -> Backend:
     """Assign nothing new to this backend; its jobs move to others after their running request.
     `idle` in the answer says when its weights can be swapped (with `wait`, once it is)."""
-    if not svc.pool.drain(backend_id):
-        _known(svc.pool, backend_id)
-    backends = wait_until_idle(svc.pool, [backend_id], wait)
-    return backends[0] if backends else _known(svc.pool, backend_id)
+
+    def drain_one() -> None:
+        if not svc.pool.drain(backend_id):
+            _known(svc.pool, backend_id)
+
+    await asyncio.to_thread(drain_one)
+    backends = await await_idle(svc.pool, [backend_id], min(wait, MAX_DRAIN_WAIT))
+    return backends[0] if backends else await asyncio.to_thread(_known, svc.pool, backend_id)
 
 
-@router.post("/{backend_id}/resume", response_model=Backend, responses={**BODY, **BY_ID})
+@router.post(
+    "/{backend_id}/resume",
+    response_model=Backend,
+    responses={**BODY, **BY_ID, **ADMIN},
+    dependencies=ADMIN_ONLY,
+)
 def resume(
     backend_id: str, body: ResumeRequest | None = None, svc: Services = Depends(services)
 ) -> Backend:
@@ -332,7 +384,9 @@ def resume(
     return _known(svc.pool, backend_id)
 
 
-@router.delete("/{backend_id}", status_code=204, responses=BY_ID)
+@router.delete(
+    "/{backend_id}", status_code=204, responses={**BY_ID, **ADMIN}, dependencies=ADMIN_ONLY
+)
 def remove(backend_id: str, svc: Services = Depends(services)) -> Response:
     if not svc.pool.remove(backend_id):
         raise HTTPException(status_code=404, detail=f"no backend with id {backend_id!r}")

@@ -13,6 +13,8 @@ from api.service import Services
 from core.schemas import Health, Readiness, Stats
 
 open_router = APIRouter(tags=["system"])
+metrics_router = APIRouter(tags=["system"])
+"""`/metrics`: behind the bearer token like /v1 when tokens are configured."""
 v1_router = APIRouter(prefix="/v1", tags=["system"])
 
 
@@ -44,7 +46,7 @@ def readyz(request: Request, response: Response, svc: Services = Depends(service
     return Readiness(ready=not missing, missing=missing)
 
 
-@open_router.get("/metrics", response_class=Response)
+@metrics_router.get("/metrics", response_class=Response)
 def metrics(request: Request, svc: Services = Depends(services)) -> Response:
     registry = getattr(request.app.state, "metrics_registry", None)
     if registry is None:

@@ -16,6 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.schemas import Backend
+from routing.vllm import bearer
 
 ENGINE_TIMEOUT = 1.0
 CACHE_SECONDS = 5.0
@@ -76,7 +77,7 @@ class EngineMetrics:
     def _read(self, backend: Backend) -> EngineReading:
         url = backend.url.rstrip("/") + "/metrics"
         try:
-            answer = httpx.get(url, timeout=self.timeout)
+            answer = httpx.get(url, timeout=self.timeout, headers=bearer(backend.api_key))
         except httpx.HTTPError as exc:
             return EngineReading(None, f"its /metrics did not answer ({type(exc).__name__})")
         if answer.status_code != 200:

@@ -1,7 +1,9 @@
 """The console's routes under `/ui`: thin adapters over `api.ui.views` and `api.service`.
 
 Route functions are synchronous, so FastAPI runs them in its thread pool and a slow page never
-holds the gateway's other requests."""
+holds the gateway's other requests. A tenant's console lists and opens only its own batches
+and rollouts (another tenant's answer as unknown ones do); the fleet and backend pages are the
+admin's."""
 
 from __future__ import annotations
 
@@ -19,18 +21,22 @@ from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from api import service
-from api.deps import services, tenant_of
+from api import owners, service
+from api.deps import Caller, caller_of, services
 from api.ids import BATCH_ID, JOB_ID
 from api.service import Services
 from api.ui import views
 from api.ui.auth import (
     COOKIE_PATH,
     TOKEN_COOKIE,
+    AdminRequired,
     SignInRequired,
     check_post,
+    console_admin,
     console_user,
+    credentials_of,
     csrf_token,
+    is_https,
     same_origin,
     set_csrf_cookie,
 )
@@ -45,6 +51,7 @@ from api.ui.tokens import (
 )
 from broker.jobstore import JobNotFound
 from core.schemas import STAGES, JobStatus, ModelTurn, Trajectory
+from routing.sglang import tokenizer_roots
 
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -60,6 +67,7 @@ STATUS_FILTERS = [s.value for s in JobStatus] + ["expired"]
 
 router = APIRouter(prefix="/ui", include_in_schema=False, dependencies=[Depends(console_user)])
 open_router = APIRouter(prefix="/ui", include_in_schema=False)
+ADMIN_PAGE = [Depends(console_admin)]
 engines = EngineMetrics()
 
 
@@ -72,7 +80,13 @@ async def form_fields(request: Request) -> dict[str, str]:
 def render(
     request: Request, name: str, context: dict[str, Any], status_code: int = 200
 ) -> HTMLResponse:
-    context = {"csrf": csrf_token(request), "signed_in": _has_tokens(request), **context}
+    who = caller_of(services(request).settings, credentials_of(request))
+    context = {
+        "csrf": csrf_token(request),
+        "signed_in": _has_tokens(request),
+        "admin": who is not None and who.admin,
+        **context,
+    }
     response = templates.TemplateResponse(request, name, context, status_code=status_code)
     set_csrf_cookie(request, response)
     return response
@@ -86,15 +100,19 @@ def not_found(request: Request, what: str) -> HTMLResponse:
     return render(request, "not_found.html", {"what": what}, status_code=404)
 
 
-def _batch_id(batch_id: str) -> str:
+def _batch_id(svc: Services, me: Caller, batch_id: str) -> str:
+    """The id of a batch the caller may see; JobNotFound otherwise."""
     if not BATCH_ID.fullmatch(batch_id):
         raise JobNotFound(batch_id)
+    owners.check_batch(svc.store, me.tenant, me.admin, batch_id)
     return batch_id
 
 
-def _job_id(job_id: str) -> str:
+def _job_id(svc: Services, me: Caller, job_id: str) -> str:
+    """The id of a job the caller may see; JobNotFound otherwise."""
     if not JOB_ID.fullmatch(job_id):
         raise JobNotFound(job_id)
+    owners.check_job(svc.store, me.tenant, me.admin, job_id)
     return job_id
 
 
@@ -110,10 +128,17 @@ def signin(request: Request, fields: dict[str, str] = Depends(form_fields)) -> R
         raise HTTPException(403, "cross-site request refused: its Origin is not this console")
     token = fields.get("token", "").strip()
     given = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token) if token else None
-    if tenant_of(services(request).settings, given) is None:
+    if caller_of(services(request).settings, given) is None:
         return render(request, "signin.html", {"error": "wrong token"}, status_code=401)
     response = RedirectResponse("/ui/batches", status_code=303)
-    response.set_cookie(TOKEN_COOKIE, token, path=COOKIE_PATH, httponly=True, samesite="strict")
+    response.set_cookie(
+        TOKEN_COOKIE,
+        token,
+        path=COOKIE_PATH,
+        httponly=True,
+        samesite="strict",
+        secure=is_https(request),
+    )
     return response
 
 
@@ -136,10 +161,10 @@ def batches_page(
     request: Request,
     page: int = Query(1, ge=1, le=1_000_000),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     offset = (page - 1) * BATCHES_PER_PAGE
-    rows = views.batch_rows(svc, offset, BATCHES_PER_PAGE)
-    total = svc.store.batch_count()
+    rows, total = views.batch_rows(svc, offset, BATCHES_PER_PAGE, None if me.admin else me.tenant)
     return render(
         request,
         "batches.html",
@@ -180,9 +205,10 @@ def batch_page(
     page: int = Query(1, ge=1, le=1_000_000),
     status: str | None = Query(None, max_length=20),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     try:
-        context = _batch_context(svc, _batch_id(batch_id))
+        context = _batch_context(svc, _batch_id(svc, me, batch_id))
     except JobNotFound:
         return not_found(request, f"batch {batch_id}")
     context.update(_jobs_context(svc, batch_id, page, status or None))
@@ -191,10 +217,13 @@ def batch_page(
 
 @router.get("/batches/{batch_id}/progress", response_class=HTMLResponse)
 def batch_progress_fragment(
-    request: Request, batch_id: str, svc: Services = Depends(services)
+    request: Request,
+    batch_id: str,
+    svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     try:
-        context = _batch_context(svc, _batch_id(batch_id))
+        context = _batch_context(svc, _batch_id(svc, me, batch_id))
     except JobNotFound:
         return not_found(request, f"batch {batch_id}")
     return render(request, "batch_progress.html", {"batch_id": batch_id, **context})
@@ -207,9 +236,10 @@ def batch_jobs_fragment(
     page: int = Query(1, ge=1, le=1_000_000),
     status: str | None = Query(None, max_length=20),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     try:
-        svc.store.batch_progress(_batch_id(batch_id))
+        svc.store.batch_progress(_batch_id(svc, me, batch_id))
     except JobNotFound:
         return not_found(request, f"batch {batch_id}")
     context = _jobs_context(svc, batch_id, page, status or None)
@@ -222,32 +252,33 @@ def cancel_batch(
     batch_id: str,
     fields: dict[str, str] = Depends(form_fields),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> Response:
     check_post(request, fields)
     try:
-        service.cancel_batch(svc, _batch_id(batch_id), wait=0.0)
+        service.cancel_batch(svc, _batch_id(svc, me, batch_id), wait=0.0)
     except JobNotFound:
         return not_found(request, f"batch {batch_id}")
     return RedirectResponse(f"/ui/batches/{batch_id}", status_code=303)
 
 
 # ---------------------------------------------------------------------- fleet and backends
-@router.get("/fleet", response_class=HTMLResponse)
+@router.get("/fleet", response_class=HTMLResponse, dependencies=ADMIN_PAGE)
 def fleet_page(request: Request, svc: Services = Depends(services)) -> HTMLResponse:
     return render(request, "fleet.html", {"fleet": views.fleet(svc), "fragment": False})
 
 
-@router.get("/fleet/stats", response_class=HTMLResponse)
+@router.get("/fleet/stats", response_class=HTMLResponse, dependencies=ADMIN_PAGE)
 def fleet_fragment(request: Request, svc: Services = Depends(services)) -> HTMLResponse:
     return render(request, "fleet_stats.html", {"fleet": views.fleet(svc)})
 
 
-@router.get("/backends", response_class=HTMLResponse)
+@router.get("/backends", response_class=HTMLResponse, dependencies=ADMIN_PAGE)
 def backends_page(request: Request, svc: Services = Depends(services)) -> HTMLResponse:
     return render(request, "backends.html", {"backends": svc.pool.list()})
 
 
-@router.get("/backends/{backend_id}/engine", response_class=HTMLResponse)
+@router.get("/backends/{backend_id}/engine", response_class=HTMLResponse, dependencies=ADMIN_PAGE)
 def engine_fragment(
     request: Request, backend_id: str, svc: Services = Depends(services)
 ) -> HTMLResponse:
@@ -257,7 +288,7 @@ def engine_fragment(
     return render(request, "engine.html", {"reading": engines.reading(backend)})
 
 
-@router.post("/backends/{backend_id}/{action}", response_model=None)
+@router.post("/backends/{backend_id}/{action}", response_model=None, dependencies=ADMIN_PAGE)
 def backend_action(
     request: Request,
     backend_id: str,
@@ -306,7 +337,8 @@ trajectories = TrajectoryCache()
 
 def _tokenizer(svc: Services, trajectory: Trajectory) -> Any:
     known = [svc.settings.tiny_model_dir.resolve()]
-    source = tokenizer_source(svc.pool.get(trajectory.backend_id or ""), known)
+    roots = tokenizer_roots(svc.settings)
+    source = tokenizer_source(svc.pool.get(trajectory.backend_id or ""), known, roots)
     return load_tokenizer(source) if source else None
 
 
@@ -322,9 +354,14 @@ def _waterfall(trajectory: Trajectory) -> list[tuple[str, float, float]]:
 
 
 @router.get("/rollouts/{job_id}", response_class=HTMLResponse)
-def rollout_page(request: Request, job_id: str, svc: Services = Depends(services)) -> HTMLResponse:
+def rollout_page(
+    request: Request,
+    job_id: str,
+    svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
+) -> HTMLResponse:
     try:
-        trajectory = trajectories.get(svc, _job_id(job_id))
+        trajectory = trajectories.get(svc, _job_id(svc, me, job_id))
     except JobNotFound:
         return not_found(request, f"job {job_id}")
     bars = _waterfall(trajectory)
@@ -369,9 +406,10 @@ def turns_fragment(
     job_id: str,
     start: int = Query(0, ge=0, le=10_000_000),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     try:
-        trajectory = trajectories.get(svc, _job_id(job_id))
+        trajectory = trajectories.get(svc, _job_id(svc, me, job_id))
     except JobNotFound:
         return not_found(request, f"job {job_id}")
     turns = list(enumerate(trajectory.turns))[start : start + TURNS_PER_CHUNK]
@@ -399,9 +437,10 @@ def tokens_fragment(
     start: int = Query(0, ge=0, le=100_000_000),
     segment: int = Query(1, ge=1, le=1_000_000),
     svc: Services = Depends(services),
+    me: Caller = Depends(console_user),
 ) -> HTMLResponse:
     try:
-        trajectory = trajectories.get(svc, _job_id(job_id))
+        trajectory = trajectories.get(svc, _job_id(svc, me, job_id))
     except JobNotFound:
         return not_found(request, f"job {job_id}")
     segments = segment_views(trajectory)
@@ -431,9 +470,14 @@ async def _sign_in(request: Request, _exc: Exception) -> Response:
     return render(request, "signin.html", {"error": None}, status_code=401)
 
 
+async def _admin_only(request: Request, _exc: Exception) -> Response:
+    return render(request, "forbidden.html", {}, status_code=403)
+
+
 def install(app: FastAPI) -> None:
     """Serve the console on `app`: its pages, its static files, its sign-in answer."""
     app.include_router(open_router)
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
     app.add_exception_handler(SignInRequired, _sign_in)
+    app.add_exception_handler(AdminRequired, _admin_only)

@@ -7,6 +7,7 @@ its text."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -15,6 +16,7 @@ from typing import Any
 
 from core.flatten import segments_and_turns, sequences
 from core.schemas import SEGMENT_REASONS, Backend, ModelTurn, Trajectory
+from routing.sglang import TokenizerRefused, check_tokenizer_name
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +114,22 @@ def shade(logprob: float | None) -> float:
     return round(max(0.15, min(1.0, 1.0 + logprob / 10.0 * 0.85)), 3)
 
 
-def tokenizer_source(backend: Backend | None, known: Sequence[Path] = ()) -> str | None:
+def tokenizer_source(
+    backend: Backend | None, known: Sequence[Path] = (), roots: Sequence[Path] = ()
+) -> str | None:
     """A local tokenizer directory of the job's backend: its `tokenizer` or `model` when that
-    is a directory, else one of the `known` model directories (the development server's tiny
-    model) whose name is the backend's model name."""
+    is a directory under one of `roots` (`routing.sglang.tokenizer_roots`: a registration
+    never makes the gateway read a directory the operator did not allow), else one of the
+    `known` model directories (the development server's tiny model) whose name is the
+    backend's model name."""
     if backend is None:
         return None
     for name in (backend.tokenizer, backend.model):
-        if name and Path(name).is_dir():
-            return name
+        if name and os.path.isabs(name) and Path(name).is_dir():
+            try:
+                return check_tokenizer_name(name, roots)
+            except TokenizerRefused:
+                continue
     for directory in known:
         if directory.name == backend.model and directory.is_dir():
             return str(directory)

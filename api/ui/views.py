@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from api import owners
 from api.metrics import collect_stats
 from api.service import Services
 from broker.jobstore.listing import JobRow
@@ -29,10 +30,18 @@ class BatchRow:
     state: str
 
 
-def batch_rows(svc: Services, offset: int, limit: int) -> list[BatchRow]:
-    """A page of batches, newest first, from their counters alone."""
+def batch_rows(
+    svc: Services, offset: int, limit: int, tenant: str | None = None
+) -> tuple[list[BatchRow], int]:
+    """A page of batches, newest first, from their counters alone, and how many there are:
+    every batch (`tenant` None: the admin), or only those `tenant` submitted."""
+    if tenant is None:
+        hashes, total = svc.store.list_batches(offset, limit), svc.store.batch_count()
+    else:
+        ttl = svc.settings.job_ttl
+        hashes, total = owners.tenant_batches(svc.store, tenant, ttl, offset, limit)
     rows = []
-    for h in svc.store.list_batches(offset, limit):
+    for h in hashes:
         total = int(h.get("total", 0))
         finished = int(h.get("finished", 0))
         reward_n = int(h.get("reward_n", 0))
@@ -51,7 +60,7 @@ def batch_rows(svc: Services, offset: int, limit: int) -> list[BatchRow]:
                 state=state,
             )
         )
-    return rows
+    return rows, total
 
 
 @dataclass

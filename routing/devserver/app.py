@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from routing.devserver.engine import Engine
+from routing.devserver.guard import GuardEveryRoute
 from routing.devserver.protocol import (
     AbortRequest,
     AbortRequestsRequest,
@@ -89,12 +90,16 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise RequestError(validation_message(e)) from e
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The development server's FastAPI app, serving `engine` with vLLM's HTTP API."""
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The development server's FastAPI app, serving `engine` with vLLM's HTTP API; with an
+    `api_key`, every route but `/health` and `/ping` asks for it as a bearer token
+    (`routing.devserver.guard`)."""
     server = DevServer(engine)
     updater = WeightUpdater(server)
     gate = updater.gate
     app = FastAPI(title="rollserve development inference server", version=VERSION)
+    if api_key:
+        app.add_middleware(GuardEveryRoute, api_key=api_key)
     app.state.devserver = server
     app.state.weights = updater
 

@@ -54,6 +54,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn-marker", default=DEFAULT_TURN_MARKER)
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="ask for this bearer token on every route but /health and /ping (default: "
+        "$VLLM_API_KEY, as vLLM; pass it in the environment to keep it off the command line)",
+    )
     return parser
 
 
@@ -158,8 +164,10 @@ def _serve(argv: list[str]) -> int:
         args.port,
         time.monotonic() - started,
     )
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who reaches it may use it", args.host)
     uvicorn.run(
-        create_app(engine),
+        create_app(engine, api_key=args.api_key),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -212,8 +212,10 @@ def test_sglang_backends_register_and_api_is_vllm_only(http: httpx.Client) -> No
     vllm = {"url": "http://localhost:8000", "model": "qwen", "tokenizer": "/models/qwen"}
     refused = http.post("/v1/backends?verify=false", json=vllm)
     assert refused.status_code == 422 and field_locs(refused) == ["body.tokenizer"]
-    local = http.post("/v1/backends?verify=false", json={**spec, "tokenizer": "/models/qwen"})
-    assert local.json()["tokenizer"] == "/models/qwen"
+    hub = http.post("/v1/backends?verify=false", json={**spec, "tokenizer": "Qwen/Qwen3-8B"})
+    assert hub.json()["tokenizer"] == "Qwen/Qwen3-8B"
+    outside = http.post("/v1/backends?verify=false", json={**spec, "tokenizer": "/models/qwen"})
+    assert outside.status_code == 422 and field_locs(outside) == ["body.tokenizer"]
 
 
 def test_drain_and_resume_one_and_all(http: httpx.Client, gateway: str) -> None:

@@ -78,6 +78,7 @@ def test_every_benchmark_main_ends_by_printing_its_json() -> None:
         "autoscale.py",
         "chaos.py",
         "dapo.py",
+        "gateway_starve.py",
         "pipeline.py",
         "proxy.py",
         "routing.py",

@@ -47,9 +47,11 @@ def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]
     return {"script": SCRIPT, "workers": {"init": 1, "run": 1, "eval": 1}, "run_jobs": 16}
 
 
-def backend_queue(url: str) -> float:
+def backend_queue(url: str, api_key: str) -> float:
     """Requests the development server holds now (waiting on their delay, or running)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    answer = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    text = answer.text
     total = 0.0
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -68,7 +70,11 @@ def test_one_process_holds_many_jobs_at_once(client: RolloutClient, stack: Stack
     tasks = [{**PATIENT, "instance_id": f"patient-{i}"} for i in range(12)]
     accepted = client.submit_batch(tasks, group_size=1, sampling={"seed": 0})
     # PATIENT answers after 3 s: all twelve wait on the backend at once, from one process.
-    wait_until(lambda: backend_queue(stack.dev_backend_url) >= 12, 30, "12 requests in flight")
+    wait_until(
+        lambda: backend_queue(stack.dev_backend_url, stack.backend_api_key) >= 12,
+        30,
+        "12 requests in flight",
+    )
     children = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
     assert children == []  # no pool processes: the jobs are coroutines of the worker itself
     results = list(client.iter_batch_results(accepted.batch_id))

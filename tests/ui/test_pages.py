@@ -195,8 +195,12 @@ def test_viewer_decodes_tokens_with_the_backends_local_tokenizer(
     from core.schemas import BackendSpec
     from tests.ui.conftest import trajectory_of
 
-    pool = app_client.app.state.services.pool  # type: ignore[attr-defined]
-    pool.register(BackendSpec(url="http://127.0.0.1:9", model=str(tiny_model_dir), id="local"))
+    services = app_client.app.state.services  # type: ignore[attr-defined]
+    # the model's directory is one the operator allows tokenizers from
+    services.settings.tokenizer_roots = str(tiny_model_dir)
+    services.pool.register(
+        BackendSpec(url="http://127.0.0.1:9", model=str(tiny_model_dir), id="local")
+    )
     _, specs = make_batch(1, 1)
     hello = tiny_tokenizer.encode("hello world")
     trajectory = trajectory_of(
@@ -215,6 +219,22 @@ def test_viewer_decodes_tokens_with_the_backends_local_tokenizer(
     tokens = app_client.get(f"/ui/rollouts/{specs[0].job_id}/tokens")
     assert ">hello<" in tokens.text and "> world<" in tokens.text
     assert 'title="#1 id ' in tokens.text and "&#34; world&#34;" in tokens.text  # quoted, escaped
+
+
+def test_viewer_reads_no_tokenizer_outside_the_allowed_roots(
+    app_client: TestClient, make_batch: MakeBatch, store: Any, tiny_model_dir: Any
+) -> None:
+    from core.schemas import BackendSpec
+    from tests.ui.conftest import trajectory_of
+
+    pool = app_client.app.state.services.pool  # type: ignore[attr-defined]
+    pool.register(BackendSpec(url="http://127.0.0.1:9", model=str(tiny_model_dir), id="local"))
+    _, specs = make_batch(1, 1)
+    store.finish(
+        specs[0].job_id, JobStatus.completed, trajectory_of(specs[0], 1.0, backend_id="local")
+    )
+    page = app_client.get(f"/ui/rollouts/{specs[0].job_id}")
+    assert 'id="ids-only"' in page.text
 
 
 def two_segments(spec: JobSpec) -> Any:

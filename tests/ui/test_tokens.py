@@ -23,5 +23,14 @@ def test_a_model_directory_the_gateway_knows_by_name_is_used(tmp_path: Path) -> 
 def test_a_model_named_by_its_directory_wins(tmp_path: Path) -> None:
     named = tmp_path / "weights"
     named.mkdir()
-    assert tokenizer_source(backend(str(named)), []) == str(named)
+    assert tokenizer_source(backend(str(named)), [], [tmp_path.resolve()]) == str(named.resolve())
     assert tokenizer_source(backend("tiny-qwen3"), [tmp_path / "tiny-qwen3"]) is None  # absent
+
+
+def test_a_directory_outside_the_allowed_roots_is_never_read(tmp_path: Path) -> None:
+    named = tmp_path / "weights"
+    named.mkdir()
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    assert tokenizer_source(backend(str(named)), [], [allowed.resolve()]) is None
+    assert tokenizer_source(backend(str(named)), []) is None

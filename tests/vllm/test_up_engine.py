@@ -51,6 +51,21 @@ def test_up_with_the_vllm_engine_serves_a_job_and_ctrl_c_stops_every_engine_proc
             tiny_model_dir.name,
             "healthy",
         )
+        # Loopback is not trust: the engine asks for its key on every route but its liveness
+        # probe, the development-mode ones that load weights included; the key is never shown.
+        assert backend["api_key_set"] is True and "api_key" not in backend
+        vllm = backend["url"]
+        assert httpx.get(f"{vllm}/health", timeout=10).status_code == 200
+        for method, path, body in [
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"model": tiny_model_dir.name, "prompt": "hi"}),
+            ("POST", "/v1/completions", {"model": tiny_model_dir.name, "prompt": "hi"}),
+            ("POST", "/collective_rpc", {"method": "rollserve_load_weights", "args": ["/"]}),
+            ("POST", "/pause", None),
+            ("GET", "/metrics", None),
+        ]:
+            refused = httpx.request(method, f"{vllm}{path}", json=body, timeout=10)
+            assert refused.status_code == 401, (path, refused.status_code, refused.text)
         with RolloutClient(f"http://127.0.0.1:{port}", timeout=300) as client:
             traj = client.submit_rollout(
                 {"data_source": "math", "problem": "What is 2+2?", "answer": "4"},
