@@ -67,7 +67,7 @@ def check_tokenizer(spec: BackendSpec, settings: Settings) -> None:
         check_tokenizer_name(name, tokenizer_roots(settings))
     except TokenizerRefused as exc:
         hint = "" if field == "tokenizer" else " (it names the tokenizer: set `tokenizer`)"
-        raise RequestError(422, f"{field}: {exc}{hint}", ["body", field]) from None
+        raise RequestError(422, f"{exc}{hint}", ["body", field]) from None
 
 
 def _fetch_models(url: str, timeout: float, api_key: str | None = None) -> bytes:

@@ -49,12 +49,19 @@ def test_await_job_answers_once_the_job_ends(svc: Services, redis_url: str) -> N
             waiting = asyncio.create_task(await_job(svc, r, job_id, 120.0))
             # finish it from another thread once the wait is under way
             await asyncio.sleep(0)
-            threading.Thread(target=finish, args=(svc, job_id)).start()
+            finisher.start()
             return (await waiting).status
         finally:
             await r.aclose()
 
-    assert asyncio.run(wait()) is JobStatus.completed
+    # The wait answers once the end is recorded, before `finish` has moved the trajectory on:
+    # the thread is joined, so it never outlives the test (and the store it writes to).
+    finisher = threading.Thread(target=finish, args=(svc, job_id))
+    try:
+        assert asyncio.run(wait()) is JobStatus.completed
+    finally:
+        finisher.join(timeout=30)
+    assert not finisher.is_alive()
 
 
 def test_await_job_gives_the_job_as_it_is_after_the_timeout(svc: Services, redis_url: str) -> None:
@@ -105,12 +112,17 @@ def test_result_lines_stream_every_finished_job_then_end(svc: Services, redis_ur
         try:
             lines = result_lines(svc, r, batch_id)
             first = await anext(lines)
-            threading.Thread(target=finish, args=(svc, jobs[1], 0.0)).start()
+            finisher.start()
             return [first, *await collect(lines, keepalives=100)]
         finally:
             await r.aclose()
 
-    lines = [json.loads(line) for line in asyncio.run(stream()) if line.strip()]
+    finisher = threading.Thread(target=finish, args=(svc, jobs[1], 0.0))
+    try:
+        streamed = asyncio.run(stream())
+    finally:
+        finisher.join(timeout=30)
+    lines = [json.loads(line) for line in streamed if line.strip()]
     assert [line["job_id"] for line in lines] == jobs
     assert all(line["cursor"] for line in lines)
 

@@ -51,6 +51,8 @@ def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]
         "run_soft_time_limit": 40,
         "run_time_limit": 45,
         "visibility_timeout": 50,
+        # SGLang backends render chat templates with this tokenizer, loaded only from here
+        "tokenizer_roots": str(request.getfixturevalue("tiny_model_dir")),
     }
 
 
