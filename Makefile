@@ -98,7 +98,7 @@ typecheck: install
 	$(VENV)/bin/mypy --explicit-package-bases examples/train/rollserve_casing
 
 unit: install vllm-or-skip harness-env-or-skip
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
 
 test: lint typecheck unit
 
