@@ -6,7 +6,7 @@ and check every output with the checks of SkyRL's own `validate_generator_output
 (`skyrl/train/utils/trainer_utils.py`), restated here. The end-to-end test runs
 `RollserveGenerator.generate` against a whole stack (embedded Redis, prefork workers, the
 gateway, the development server playing scripted answers). SkyRL itself does not install on
-this machine's CPU setup (see the README): the last test runs `generate` over SkyRL's real
+this machine's CPU setup (see docs/training.md): the last test runs `generate` over SkyRL's real
 `GeneratorInterface`, `TrajectoryID` and `validate_generator_output` in a Python where SkyRL
 imports (this one, or `ROLLSERVE_SKYRL_PYTHON`), and skips with the reason otherwise.
 """
@@ -532,7 +532,7 @@ def skyrl_python() -> str | None:
     skyrl_python() is None,
     reason="SkyRL is not installed here: skyrl 0.4.0 and skyrl-train 0.3.1 need Python 3.12, "
     "where PyPI has only the CUDA build of torch, which SkyRL's generator module imports; set "
-    "ROLLSERVE_SKYRL_PYTHON to a Python where it imports (the README says how)",
+    "ROLLSERVE_SKYRL_PYTHON to a Python where it imports (docs/training.md says how)",
 )
 def test_the_generator_runs_over_skyrls_own_interface(stack: Stack) -> None:
     python = skyrl_python()

@@ -1,6 +1,6 @@
-"""The README's commands for serving the tiny model with vLLM work as written (only the port is
-changed, to a free one): the block under "vLLM on a CPU machine" is run with bash from the
-repository root, and the server it starts answers a completion."""
+"""The documented commands for serving the tiny model with vLLM work as written (only the port
+is changed, to a free one): the block under "vLLM on a CPU machine" in docs/operating.md is run
+with bash from the repository root, and the server it starts answers a completion."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from tests.support.wait import wait_until
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "operating.md"
 SECTION = "### vLLM on a CPU machine (`make vllm`)"
 
 
 def readme_block() -> str:
-    """The first shell block of the README's vLLM section."""
-    text = (ROOT / "README.md").read_text()
+    """The first shell block of the guide's vLLM section."""
+    text = GUIDE.read_text()
     section = text[text.index(SECTION) :]
     match = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
     assert match is not None, "the vLLM section has no shell block"
@@ -62,4 +63,4 @@ def test_the_readme_serves_the_tiny_model_with_vllm_as_written(tmp_path: Path) -
     def group_gone() -> bool:
         return subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1
 
-    wait_until(group_gone, 30, "every process the README's commands started to end")
+    wait_until(group_gone, 30, "every process the guide's commands started to end")
