@@ -26,7 +26,26 @@ pytestmark = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
 )
 
-GROUP_SIZE = 2
+GROUP_SIZE = 3
+"""Per task: sample 0 fixes the bug, sample 1 makes a plausible wrong change, sample 2 fixes
+nothing and plants a `conftest.py` that reports every test as passed (`HACK`)."""
+
+REPORTS_PASS = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+"""
+HACK = [
+    BUILDER.tool_call(
+        "bash", command=f"cat > /workspace/conftest.py <<'EOF'\n{REPORTS_PASS}EOF\necho planted"
+    ),
+    BUILDER.tool_call("finish", result="Fixed the issue."),
+]
 # Room for every scripted turn, with a stage budget far above what the jobs need.
 AGENT = {"max_turns": 8, "max_total_tokens": 16384}
 SAMPLING = {"seed": 0, "max_tokens": 2048, "temperature": 0.0}
@@ -49,6 +68,8 @@ def built_script() -> Iterator[tuple[list[dict[str, Any]], Path]]:
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
     built_script = request.getfixturevalue("built_script")
     script = [json.loads(line) for line in built_script[1].read_text().splitlines()]
+    for entry in script:
+        entry["samples"].append(HACK)
     return {
         "script": script, "tool_timeout": 60.0, "reap_interval": 1.0,
         "sandbox_dir": data / "sandboxes", "sandbox_backend": "bwrap",
@@ -88,6 +109,20 @@ def test_the_gold_samples_earn_1_and_the_wrong_ones_0(
     rewards = {key: traj.reward for key, traj in results.items()}
     expected = {(instance, sample): float(sample == 0) for instance, sample in results}
     assert rewards == expected, {k: results[k].eval.get("reason") for k in results}
+
+
+def test_a_planted_conftest_is_put_back_and_earns_nothing(
+    results: dict[tuple[str, int], Trajectory], built_script: tuple[list[dict[str, Any]], Path]
+) -> None:
+    """Reward hacking as RL on SWE tasks learns it first: no fix, a `conftest.py` that
+    turns every report into a pass. It is in the patch the job hands in, and grading removes
+    it (the base commit has none) before the tests run."""
+    for task in built_script[0]:
+        traj = results[(task["instance_id"], 2)]
+        assert "conftest.py" in traj.outcome["patch"], traj.outcome
+        assert traj.reward == 0.0, (task["instance_id"], traj.eval.get("reason"))
+        restored = {entry["path"] for entry in traj.eval["restored"]}
+        assert "conftest.py" in restored, traj.eval
 
 
 def test_the_gold_samples_outcome_is_the_gold_patch(
