@@ -9,7 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from api.app import create_app
+from api.app import build_services, create_app
+from api.service import Services
+from core.schemas import BackendSpec
 from core.settings import Settings
 from tests.support.gateway import serve
 
@@ -35,3 +37,14 @@ def with_backend(http: httpx.Client) -> None:
         "/v1/backends?verify=false", json={"url": "http://127.0.0.1:9", "model": "m", "id": "b0"}
     )
     assert answer.status_code == 201, answer.text
+
+
+@pytest.fixture
+def svc(redis_url: str) -> Iterator[Services]:
+    """The gateway's services (`build_services`) on the test's Redis, one backend `b`
+    registered that nothing serves; a module may define its own `svc` instead."""
+    services = build_services(Settings(redis_url=redis_url, node_name="gateway"))
+    services.pool.register(BackendSpec(url="http://b.invalid:8000", model="m", id="b"))
+    yield services
+    services.celery.close()
+    services.store.r.close()

@@ -3,18 +3,16 @@ the operator's token is the admin, a tenant owns what it submitted and nothing e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.security import HTTPAuthorizationCredentials
 
 from api import owners
-from api.app import build_services
 from api.deps import Caller, caller_of
 from api.service import Services, owner_ttl, submit_batch, submit_rollout
 from broker.jobstore import JobNotFound
-from core.schemas import BackendSpec, BatchRequest, JobStatus, RolloutRequest
+from core.schemas import BatchRequest, JobStatus, RolloutRequest
 from core.settings import Settings
 
 TASK = {"data_source": "math", "problem": "What is 1+1?", "answer": "2"}
@@ -22,15 +20,6 @@ TASK = {"data_source": "math", "problem": "What is 1+1?", "answer": "2"}
 
 def bearer(token: str) -> HTTPAuthorizationCredentials:
     return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
-
-
-@pytest.fixture
-def svc(redis_url: str) -> Iterator[Services]:
-    services = build_services(Settings(redis_url=redis_url, node_name="gateway"))
-    services.pool.register(BackendSpec(url="http://b.invalid:8000", model="m", id="b"))
-    yield services
-    services.celery.close()
-    services.store.r.close()
 
 
 def test_the_operators_token_is_the_admin_and_a_tenants_is_not() -> None:

@@ -6,28 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
-from api.app import build_services
 from api.service import Services, submit_batch, submit_rollout
 from api.waits import await_batch, await_idle, await_job, cancel_batch, poll, result_lines
 from broker.jobstore import JobNotFound
-from core.schemas import BackendSpec, BatchRequest, JobStatus, RolloutRequest
-from core.settings import Settings
+from core.schemas import BatchRequest, JobStatus, RolloutRequest
 
 TASK = {"data_source": "math", "problem": "What is 1+1?", "answer": "2"}
-
-
-@pytest.fixture
-def svc(redis_url: str) -> Iterator[Services]:
-    services = build_services(Settings(redis_url=redis_url, node_name="gateway"))
-    services.pool.register(BackendSpec(url="http://b.invalid:8000", model="m", id="b"))
-    yield services
-    services.celery.close()
-    services.store.r.close()
 
 
 def finish(svc: Services, job_id: str, reward: float = 1.0) -> None:
