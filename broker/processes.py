@@ -5,20 +5,86 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
 
+CLAIM_SECONDS = 900.0
+"""How long a port `free_port` gave out stays out of its other callers' reach."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now."""
+    """A TCP port that nothing listens on right now, for a server about to be started on it.
+
+    It lies below the kernel's ephemeral range, so no outgoing connection is given it before
+    the server binds it, and it is claimed on this host (a file under the temporary directory)
+    for `CLAIM_SECONDS`, so that no other caller, in this process or another, is handed the
+    same port meanwhile. Where neither holds (a narrow range, no writable temporary
+    directory), the kernel picks one."""
+    start, end = _port_span()
+    claims = _claims_dir()
+    if claims is not None and end - start >= 256:
+        for _ in range(200):
+            port = random.randrange(start, end)
+            if _claim(claims, port) and _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _port_span() -> tuple[int, int]:
+    """Ports [start, end) below the kernel's ephemeral range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(1024, low - 12000), low
+
+
+def _claims_dir() -> Path | None:
+    path = Path(tempfile.gettempdir()) / f"rollserve-ports-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
+def _claim(claims: Path, port: int) -> bool:
+    """Claim `port` unless a claim younger than `CLAIM_SECONDS` holds it."""
+    path = claims / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    try:
+        if time.time() - path.stat().st_mtime < CLAIM_SECONDS:
+            return False
+        os.utime(path)  # a stale claim is taken over
+        return True
+    except OSError:
+        return False
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def die_with_parent() -> None:
