@@ -230,7 +230,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     try:
         tasks, lines = read_tasks_numbered(args.tasks)
     except (SubmitInputError, OSError) as exc:
-        console.print(f"[red]rollserve submit: {exc}[/red]")
+        console.print(f"rollserve submit: {exc}", style="red", soft_wrap=True, markup=False)
         return 2
     sampling = {k: v for k, v in _sampling_args(args).items() if v is not None}
     agent = {"max_turns": args.max_turns} if args.max_turns else None
@@ -242,7 +242,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 line_numbers=lines, source=str(args.tasks),
             )  # fmt: skip
     except (RolloutServiceError, SubmitInputError) as exc:
-        console.print(f"[red]rollserve submit: {exc}[/red]")
+        console.print(f"rollserve submit: {exc}", style="red", soft_wrap=True, markup=False)
         return 1
     render_summary(summary, Console())
     return 0

@@ -18,6 +18,8 @@ from broker.processes import free_port
 from tests.support.procs import processes_mentioning
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
