@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from workers.handlers.base import Grade, TaskValidationError
 from workers.handlers.swe.handler import SweHandler
 
 HANDLER = SweHandler()
-JOB = "swe-hack-test"
+JOB = f"swe-hack-test-{uuid.uuid4().hex[:12]}"
 
 pytestmark = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")

@@ -59,6 +59,18 @@ TOOL_CALLS = [
 is in the prompt) the second."""
 
 
+SHELL_TASK = {
+    "data_source": "shell",
+    "instance_id": "fleet-update",
+    "instruction": "Write hi into /workspace/hello.txt.",
+    "check": 'test "$(cat /workspace/hello.txt)" = hi',
+}
+"""Exactly two model turns, whatever the weights: the server's logits processor makes the
+first a bash call (`TOOL_CALLS`: it sleeps 3 s) and the second, after the tool result, a
+finish call; so the job is between its turns for seconds once the first is in, and no
+sampled text can end it early. It needs bubblewrap (a `shell` task's box)."""
+
+
 def scripted_tool_calls(model_dir: Path) -> dict[str, Any]:
     """The scripted tool calls' configuration: each call in the Qwen3 / Hermes convention,
     ended with `<|im_end|>`, as ids of the model's tokenizer."""

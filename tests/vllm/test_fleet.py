@@ -24,6 +24,7 @@ from routing.pool import BackendPool
 from tests.support.wait import wait_until
 from tests.vllm.conftest import (
     READY_TIMEOUT,
+    SHELL_TASK,
     VllmServer,
     engine_metrics,
     registered,
@@ -42,18 +43,6 @@ def math_task(n: int) -> dict[str, str]:
         "problem": f"Fleet {n}: what is {n} + {n}? Think it through step by step first.",
         "answer": str(2 * n),
     }
-
-
-SHELL_TASK = {
-    "data_source": "shell",
-    "instance_id": "fleet-update",
-    "instruction": "Write hi into /workspace/hello.txt.",
-    "check": 'test "$(cat /workspace/hello.txt)" = hi',
-}
-"""Exactly two model turns, whatever the random weights: the server's logits processor makes
-the first a bash call (which sleeps 3 s) and the second, after the tool result, a finish
-call; so the job is between its turns for seconds once the first is in, and no sampled text
-can end it early."""
 
 
 def model_turns(traj: Trajectory) -> list[ModelTurn]:

@@ -5,6 +5,7 @@ checkpoint directory through the development-mode `/collective_rpc`, between `/p
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from deploy.stack import Stack
 from routing.weights import WeightUpdateError, load_weights
 from tests.support.wait import wait_until
 from tests.support.weights import WeightDirs, max_diff, teacher_forced
-from tests.vllm.conftest import VllmServer, registered, settled_metrics
+from tests.vllm.conftest import SHELL_TASK, VllmServer, registered, settled_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -95,16 +96,16 @@ def test_a_checkpoint_of_another_shape_is_refused_and_the_engine_serves_on(
 SAMPLING = {"temperature": 1.0, "max_tokens": 48, "seed": 5}
 
 
+@pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
 def test_the_gateway_switches_the_weights_mid_job_and_later_turns_record_the_version(
     stack: Stack, restored: VllmServer, weight_dirs: WeightDirs
 ) -> None:
     server = restored
-    task = {
-        "data_source": "math",
-        "instance_id": "weights-1",
-        "problem": "Weights 1: what is 7 + 7? Think it through step by step first.",
-        "answer": "14",
-    }
+    # Two model turns whatever the weights (a bash call sleeping 3 s, then finish): the job is
+    # certainly between its turns when the switch lands, never done before it.
+    task = SHELL_TASK
     with (
         registered(
             stack, server.url, server.model, api="completions", backend_id="switch",
@@ -112,7 +113,8 @@ def test_the_gateway_switches_the_weights_mid_job_and_later_turns_record_the_ver
         ),
         RolloutClient(stack.gateway_url, timeout=120) as client,
     ):  # fmt: skip
-        job_id = client.submit_rollout(task, sampling=SAMPLING, agent={"max_turns": 8})
+        sampling = {**SAMPLING, "max_tokens": 64}  # room for the whole scripted call
+        job_id = client.submit_rollout(task, sampling=sampling, agent={"max_turns": 8})
         assert isinstance(job_id, str)
         wait_until(
             lambda: any(isinstance(t, ModelTurn) for t in client.get_rollout(job_id).turns),

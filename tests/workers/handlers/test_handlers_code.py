@@ -7,6 +7,7 @@ import base64
 import json
 import pickle
 import time
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from tests.support.sandbox import Listener
 
 
+JOB = f"code-grade-test-{uuid.uuid4().hex[:12]}"
+"""The id of the job graded here: this module's own, so that its leftover check sees only
+its own processes (other modules grade beside it)."""
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
@@ -351,7 +355,7 @@ def code_handler(bwrap_backend: BubblewrapBackend, state_root: Path) -> Iterator
     """A handler grading in bubblewrap boxes under `state_root`; every box must be gone after."""
     yield CodeHandler(backend="bwrap", state_root=state_root, budget_seconds=60)
     assert [p.name for p in state_root.iterdir() if not p.name.startswith(".")] == []
-    assert processes_mentioning("code-grade-") == []
+    assert processes_mentioning(JOB) == []
 
 
 def stdin_task(*cases: tuple[str, str], **fields: Any) -> dict[str, Any]:
@@ -363,7 +367,7 @@ ADD = program("a, b = map(int, input().split())\nprint(a + b)")
 
 
 def test_a_correct_stdin_program_gets_reward_one(code_handler: CodeHandler) -> None:
-    grade = code_handler.grade(NATIVE, [ADD], job_id="code-grade-test")
+    grade = code_handler.grade(NATIVE, [ADD], job_id=JOB)
     assert grade.reward == 1.0
     assert (grade.details["passed"], grade.details["total"]) == (2, 2)
     assert [t["verdict"] for t in grade.details["tests"]] == ["pass", "pass"]
@@ -374,7 +378,7 @@ def test_function_calls_reach_top_level_functions_and_solution_methods(
 ) -> None:
     assert (
         code_handler.grade(
-            NATIVE_CALL, [program("def square(x):\n    return x * x")], job_id="code-grade-test"
+            NATIVE_CALL, [program("def square(x):\n    return x * x")], job_id=JOB
         ).reward
         == 1.0
     )
@@ -387,12 +391,12 @@ class Solution:
                 return (seen[target - x], i)
             seen[x] = i
 """
-    grade = code_handler.grade(LCB, [program(two_sum)], job_id="code-grade-test")
+    grade = code_handler.grade(LCB, [program(two_sum)], job_id=JOB)
     assert grade.reward == 1.0, grade.details
 
 
 def test_a_wrong_answer_is_reported_with_what_was_printed(code_handler: CodeHandler) -> None:
-    grade = code_handler.grade(NATIVE, [program("print(3)")], job_id="code-grade-test")
+    grade = code_handler.grade(NATIVE, [program("print(3)")], job_id=JOB)
     assert grade.reward == 0.0
     first, second = grade.details["tests"]
     assert first["verdict"] == "pass"
@@ -402,7 +406,7 @@ def test_a_wrong_answer_is_reported_with_what_was_printed(code_handler: CodeHand
 
 def test_a_runtime_error_is_reported_with_the_exception(code_handler: CodeHandler) -> None:
     grade = code_handler.grade(
-        NATIVE_CALL, [program("def square(x):\n    return x / 0")], job_id="code-grade-test"
+        NATIVE_CALL, [program("def square(x):\n    return x / 0")], job_id=JOB
     )
     verdict = grade.details["tests"][0]
     assert verdict["verdict"] == "runtime error"
@@ -415,7 +419,7 @@ def test_an_endless_loop_hits_the_time_limit_and_the_other_tests_still_run(
     loop = program("s = input()\nwhile s == 'spin':\n    pass\nprint(s)")
     task = stdin_task(("spin\n", "spin"), ("ok\n", "ok"), time_limit=1, reward="fraction")
     started = time.monotonic()
-    grade = code_handler.grade(task, [loop], job_id="code-grade-test")
+    grade = code_handler.grade(task, [loop], job_id=JOB)
     assert time.monotonic() - started < 10
     assert [t["verdict"] for t in grade.details["tests"]] == ["time limit", "pass"]
     assert grade.details["tests"][0]["seconds"] >= 1.0
@@ -428,14 +432,10 @@ def test_a_program_that_takes_too_much_memory_hits_the_memory_limit(
     hog = program("data = bytearray(200 * 2**20)\nprint(len(data))")
     task = stdin_task(("\n", str(200 * 2**20)), memory_limit_mb=128)
     assert (
-        code_handler.grade(task, [hog], job_id="code-grade-test").details["tests"][0]["verdict"]
-        == "memory limit"
+        code_handler.grade(task, [hog], job_id=JOB).details["tests"][0]["verdict"] == "memory limit"
     )
     assert (
-        code_handler.grade(
-            with_fields(task, memory_limit_mb=512), [hog], job_id="code-grade-test"
-        ).reward
-        == 1.0
+        code_handler.grade(with_fields(task, memory_limit_mb=512), [hog], job_id=JOB).reward == 1.0
     )
 
 
@@ -453,7 +453,7 @@ print("calm")
 """
     )
     task = stdin_task(("bomb\n", "calm"), ("quiet\n", "calm"), time_limit=1, reward="fraction")
-    grade = code_handler.grade(task, [bomb], job_id="code-grade-test")
+    grade = code_handler.grade(task, [bomb], job_id=JOB)
     assert grade.details["tests"][0]["verdict"] in ("time limit", "runtime error")
     assert grade.details["tests"][1]["verdict"] == "pass"
 
@@ -473,7 +473,7 @@ print("done")
 """
     )
     task = stdin_task(("kill\n", "done"), ("stay\n", "done"), ("stay\n", "done"), reward="fraction")
-    grade = code_handler.grade(task, [abuse], job_id="code-grade-test")
+    grade = code_handler.grade(task, [abuse], job_id=JOB)
     assert [t["verdict"] for t in grade.details["tests"]] == ["runtime error", "pass", "pass"]
     assert "stopped the grader" in grade.details["tests"][0]["message"]
     assert not target.exists()
@@ -493,7 +493,7 @@ for address in [("127.0.0.1", {host_listener.port}), ("1.1.1.1", 53)]:
 print("reached", *reached) if reached else print("isolated")
 """
     )
-    grade = code_handler.grade(stdin_task(("", "isolated")), [probe], job_id="code-grade-test")
+    grade = code_handler.grade(stdin_task(("", "isolated")), [probe], job_id=JOB)
     assert grade.reward == 1.0, grade.details
     assert host_listener.accepted == 0
 
@@ -503,11 +503,9 @@ def test_all_needs_every_test_and_stops_at_the_first_crash_fraction_counts(
 ) -> None:
     flaky = program("n = int(input())\nassert n != 2\nprint(n)")
     cases = [("1\n", "1"), ("2\n", "2"), ("3\n", "3"), ("4\n", "4")]
-    fraction = code_handler.grade(
-        stdin_task(*cases, reward="fraction"), [flaky], job_id="code-grade-test"
-    )
+    fraction = code_handler.grade(stdin_task(*cases, reward="fraction"), [flaky], job_id=JOB)
     assert fraction.reward == 0.75
-    everything = code_handler.grade(stdin_task(*cases), [flaky], job_id="code-grade-test")
+    everything = code_handler.grade(stdin_task(*cases), [flaky], job_id=JOB)
     assert everything.reward == 0.0
     verdicts = [t["verdict"] for t in everything.details["tests"]]
     assert verdicts == ["pass", "runtime error", "skipped", "skipped"]
@@ -518,7 +516,7 @@ def test_the_time_budget_bounds_grading(bwrap_backend: BubblewrapBackend, state_
     spin = program("while True:\n    pass")
     task = stdin_task(*[("\n", "x")] * 6, time_limit=1, reward="fraction")
     started = time.monotonic()
-    grade = code_handler.grade(task, [spin], job_id="code-grade-test")
+    grade = code_handler.grade(task, [spin], job_id=JOB)
     assert time.monotonic() - started < 6
     verdicts = [t["verdict"] for t in grade.details["tests"]]
     assert verdicts[0] == "time limit" and verdicts[-1] == "skipped"
@@ -527,7 +525,7 @@ def test_the_time_budget_bounds_grading(bwrap_backend: BubblewrapBackend, state_
 
 def test_no_code_found_gives_reward_zero_without_a_sandbox() -> None:
     grade = CodeHandler(backend="no-such-backend").grade(
-        NATIVE, ["I could not solve it."], job_id="code-grade-test"
+        NATIVE, ["I could not solve it."], job_id=JOB
     )
     assert grade.reward == 0.0
     assert grade.details["reason"] == "no code found"

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ from workers.handlers.swe.task import SOURCE_INSIDE, SweEnvironmentError, read_t
 ROOT = Path(__file__).resolve().parents[3]
 HANDLER = SweHandler()
 
+
+JOB = f"swe-grade-test-{uuid.uuid4().hex[:12]}"
+"""The id of the job graded here: this module's own, so that its leftover check sees only
+its own processes (other modules grade beside it)."""
 
 needs_bwrap = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
@@ -72,7 +77,7 @@ def sandbox_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     left = [p for p in (root / GRADING_DIR).glob("*") if not p.name.startswith(".")]
     remove_tree(root)
     assert left == [], f"grading boxes left behind: {left}"
-    assert processes_mentioning("swe-grade-") == []
+    assert processes_mentioning(JOB) == []
 
 
 def example(name: str) -> Any:
@@ -95,7 +100,7 @@ def patch_from_edits(task: dict[str, Any], edits: tuple[Any, ...], tmp_path: Pat
 
 def grade(task: dict[str, Any], patch: str | None) -> Any:
     outcome = None if patch is None else {"patch": patch}
-    return HANDLER.grade(task, [], outcome=outcome, job_id="swe-grade-test")
+    return HANDLER.grade(task, [], outcome=outcome, job_id=JOB)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -397,7 +402,7 @@ def test_the_workspace_is_checked_out_and_the_diff_is_the_outcome(
     built_tasks: dict[str, dict[str, Any]], sandbox_dir: Path
 ) -> None:
     task = built_tasks["calendarx"]
-    job_id = "swe-handler-test-job"
+    job_id = f"swe-handler-test-{uuid.uuid4().hex[:12]}"
     kept = launch(HANDLER.sandbox_spec(task, job_id), "bwrap", sandbox_dir)
     try:
         with ToolClient(kept.socket_path, timeout=60) as tools:
