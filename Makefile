@@ -11,7 +11,7 @@ HARNESS_VENV := .harness-venv
 HARNESS_STAMP := $(HARNESS_VENV)/.installed-stamp
 HARNESS_PACKAGES := mini-swe-agent==2.4.6 openai==3.51.0 anthropic==2.10.0
 
-.PHONY: demo test lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip \
+.PHONY: demo test check lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip \
 	harness-env harness-env-build harness-env-or-skip clean
 
 install: $(STAMP) system-deps
@@ -97,8 +97,21 @@ typecheck: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --explicit-package-bases examples/train/rollserve_casing
 
+# The suite runs on TEST_WORKERS pytest-xdist workers, each module (and tests/vllm/ as a whole)
+# on one worker from start to end, the longest first (tests/support/tiers.py). It ends with
+# the 25 slowest tests, the modules that cost the most CPU and the time of each tier.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --no-loadscope-reorder \
+	--durations=25
+
+# The check tier alone (tests not marked `full`): real Redis, the real gateway, real bubblewrap
+# boxes with the real tool server and one whole-pipeline stack; no vLLM, Slurm or browser.
+check: lint typecheck
+	$(PYTEST) -m "not full"
+
+# Every tier.
 unit: install vllm-or-skip harness-env-or-skip
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
+	$(PYTEST)
 
 test: lint typecheck unit
 

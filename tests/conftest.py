@@ -17,6 +17,7 @@ from routing.pool import BackendPool
 
 pytest_plugins = [
     "tests.support.devserver",
+    "tests.support.tiers",
     "tests.support.require",
     "tests.support.sandbox",
     "tests.support.toolserver",

@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_READY = (ROOT / ".harness-venv" / ".installed-stamp").is_file()
 

@@ -12,6 +12,8 @@ from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 from tests.support.procs import processes_mentioning
 
+pytestmark = pytest.mark.full
+
 
 def test_entering_a_started_stack_starts_nothing_twice(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "data", port=free_port())

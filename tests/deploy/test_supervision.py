@@ -21,6 +21,8 @@ from tests.support.procs import processes_mentioning
 from tests.support.stack import start_stack
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = [{"match": "ADD", "samples": [["So 2+2 = \\boxed{4}."]]}]
 MISSING = f"/v1/batches/{'0' * 32}"

@@ -28,6 +28,8 @@ from deploy.vllm_env import (
     name_vllm,
 )
 
+pytestmark = pytest.mark.full
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -17,6 +17,8 @@ from tests.e2e.test_dapo_pipeline import (
     test_sandboxed_groups_cancelled_at_the_target_leave_no_box,
 )
 
+pytestmark = pytest.mark.full
+
 __all__ = [
     "test_a_dynamic_batch_returns_exactly_the_target_and_stops_the_rest",
     "test_cancelling_a_plain_batch_stops_its_running_jobs_and_frees_their_boxes",

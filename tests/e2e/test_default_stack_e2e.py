@@ -14,6 +14,8 @@ from api.client import RolloutClient
 from core.schemas import JobStatus, ModelTurn, Trajectory
 from tests.support.stack import ROOMY_LIMITS
 
+pytestmark = pytest.mark.full
+
 if TYPE_CHECKING:
     from deploy.stack import Stack
 

@@ -13,6 +13,8 @@ import pytest
 from tests.support.examples import expected_rewards
 from tests.support.procs import processes_mentioning
 
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -25,6 +25,8 @@ from tests.support.procs import processes_mentioning
 from tests.support.swe import BUILDER, bwrap_problem, mini_swe_agent_entries
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 needs_bwrap = pytest.mark.skipif(
     bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
 )

@@ -17,9 +17,13 @@ from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from tests.support.stack import start_stack
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None,
+        reason="bubblewrap is not installed (apt-get install bubblewrap)",
+    ),
+    pytest.mark.full,
+]
 
 FINISH = '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>'
 WRITE = (

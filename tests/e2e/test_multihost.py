@@ -43,7 +43,11 @@ from tests.support.procs import processes_mentioning
 from tests.support.wait import wait_until
 
 REASON = netns_unavailable()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+    pytest.mark.full,
+]
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("init", "run", "eval")

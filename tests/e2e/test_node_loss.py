@@ -19,9 +19,13 @@ from deploy.stack import Stack
 from tests.support.stack import start_stack
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None,
+        reason="bubblewrap is not installed (apt-get install bubblewrap)",
+    ),
+    pytest.mark.full,
+]
 
 FINISH = '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>'
 WRITE = (

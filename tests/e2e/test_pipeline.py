@@ -19,6 +19,8 @@ from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 SCRIPT = [
     {"match": "FAST-ADD", "samples": [["So 2+2 = \\boxed{4}."], ["I think it is \\boxed{5}."]]},
     {"match": "TWO-TURNS", "samples": [["Let me think about 3 times 4 first.", "\\boxed{12}"]]},

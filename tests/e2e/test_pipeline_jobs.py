@@ -30,6 +30,8 @@ from tests.e2e.test_pipeline import (
 )
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 __all__ = [
     "test_a_failing_job_does_not_fail_its_batch",
     "test_a_job_past_its_run_time_limit_is_timed_out_with_its_backend_freed",

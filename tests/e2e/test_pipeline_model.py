@@ -17,6 +17,8 @@ from api.client import RolloutClient
 from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
 from deploy.stack import Stack
 
+pytestmark = pytest.mark.full
+
 TASK = {"data_source": "math", "instance_id": "sum", "problem": "What is 2+3?", "answer": "5"}
 
 

@@ -30,7 +30,7 @@ __all__ = [
     "test_tool_calls_run_in_the_sandbox_and_the_check_grades_it",
 ]
 
-pytestmark = prefork.pytestmark
+pytestmark = [prefork.pytestmark, pytest.mark.full]
 
 
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:

@@ -3,8 +3,9 @@ whose main process is SIGKILLed mid-batch has its stages taken over by the sweep
 before Redis's visibility timeout, a stage stuck past its hard limit ends `timed_out`, and a
 job's time budget (`agent.max_seconds`) stops its episode.
 
-The heartbeat and sweep settings are the defaults; the visibility timeout is 15 minutes, so
-only the sweeper can bring the lost jobs back within the test's patience.
+The heartbeat and sweep settings are the defaults (the only stack of the suite on them; the
+others take over a dead worker's stages on short timers); the visibility timeout is 15
+minutes, so only the sweeper can bring the lost jobs back within the test's patience.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import redis
 from api.client import RolloutClient
 from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
+from tests.support.stack import PRODUCTION_TIMERS
 from tests.support.wait import wait_until
+
+pytestmark = pytest.mark.full
 
 SCRIPT = [
     {"match": "STEADY", "samples": [["Carefully: \\boxed{6}"]], "delay": 4.0},
@@ -41,7 +45,7 @@ def math_task(marker: str, answer: str, n: int = 0) -> dict[str, str]:
 
 
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
-    return {"script": SCRIPT, "visibility_timeout": VISIBILITY_TIMEOUT}
+    return {"script": SCRIPT, "visibility_timeout": VISIBILITY_TIMEOUT, **PRODUCTION_TIMERS}
 
 
 def job_fields(r: redis.Redis, job_id: str) -> dict[str, str]:

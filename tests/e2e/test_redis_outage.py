@@ -20,6 +20,8 @@ from core.schemas import BatchProgress, JobStatus
 from deploy.stack import Stack
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 SCRIPT = [{"match": "SLOW-ADD", "samples": [["So it is \\boxed{4}."]], "delay": 1.0}]
 TASKS = [
     {"data_source": "math", "instance_id": f"add-{i}", "problem": "SLOW-ADD: 2+2?", "answer": "4"}

@@ -18,6 +18,8 @@ from tests.support.devserver import DevBackend, start_devservers
 from tests.support.stub import Answer, StubServer
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.full
+
 TURNS = ["Let me think about it.", "Still thinking, carefully.", "Almost there.", "\\boxed{6}"]
 SCRIPT: list[dict[str, Any]] = [
     {"match": "FLEET", "samples": [TURNS] * 64, "delay": 0.25},

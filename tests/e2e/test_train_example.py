@@ -28,6 +28,8 @@ from rollserve_casing.grpo import Config, StepStats, train  # noqa: E402
 from rollserve_casing.handler import CasingHandler, score  # noqa: E402
 from rollserve_casing.policy import WarmStart, make_policy, token_logprobs  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:

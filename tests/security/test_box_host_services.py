@@ -27,11 +27,14 @@ from deploy.stack import Stack
 from sandbox.network import missing
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
-    reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
-    + ", ".join(missing(os.geteuid() == 0)),
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
+        reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
+        + ", ".join(missing(os.geteuid() == 0)),
+    ),
+    pytest.mark.full,
+]
 
 ALLOWED = "pypi.org"
 HOST_REDIS = 6379

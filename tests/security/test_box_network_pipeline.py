@@ -18,11 +18,14 @@ from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
 from sandbox.network import missing
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
-    reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
-    + ", ".join(missing(os.geteuid() == 0)),
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
+        reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
+        + ", ".join(missing(os.geteuid() == 0)),
+    ),
+    pytest.mark.full,
+]
 
 ALLOWED = "pypi.org"
 REFUSED = "github.com"

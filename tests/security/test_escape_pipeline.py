@@ -21,9 +21,13 @@ from deploy.stack import Stack
 from tests.support.procs import processes_mentioning
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None,
+        reason="bubblewrap is not installed (apt-get install bubblewrap)",
+    ),
+    pytest.mark.full,
+]
 
 # A file on the host, world-readable, that no box may read or change.
 HOST_SECRET = Path(f"/tmp/rollserve-escape-{uuid.uuid4().hex}")

@@ -10,8 +10,13 @@ from broker.processes import free_port
 from core.settings import Settings
 from deploy.stack import DevBackendOptions, Stack, StackOptions
 
-# Short limits so a killed worker's job is redelivered within the test's patience.
+# Short limits so a killed worker's job is redelivered within the test's patience, and short
+# liveness timers so a dead worker's stages are taken over in seconds (tests/e2e/test_recovery.py
+# keeps the production timers, `PRODUCTION_TIMERS`).
 FAST_LIMITS = {
+    "heartbeat_interval": 1.0,
+    "heartbeat_ttl": 8.0,
+    "sweep_interval": 1.0,
     "init_soft_time_limit": 8.0,
     "init_time_limit": 10.0,
     "run_soft_time_limit": 8.0,
@@ -21,6 +26,13 @@ FAST_LIMITS = {
     "visibility_timeout": 12.0,
     "redelivery_check_interval": 1.0,
 }
+
+
+PRODUCTION_TIMERS = {
+    name: Settings.model_fields[name].default
+    for name in ("heartbeat_interval", "heartbeat_ttl", "sweep_interval")
+}
+"""The liveness timers as deployed (their defaults)."""
 
 
 # Roomy limits for a stack that runs the tiny model itself (a slow turn is not a hung one).

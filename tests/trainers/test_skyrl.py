@@ -40,6 +40,8 @@ from trainers.skyrl import (
     wants_logprobs,
 )
 
+pytestmark = pytest.mark.full
+
 SKYRL_GENERATOR_OUTPUT = {
     "prompt_token_ids",
     "response_ids",

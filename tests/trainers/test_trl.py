@@ -39,6 +39,8 @@ from trainers.trl import (
     trl_output,
 )
 
+pytestmark = pytest.mark.full
+
 GROUP = 2
 PAD = 151643
 

@@ -40,6 +40,8 @@ from trainers.verl import (
     task_from_row,
 )
 
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 
 VERL_AGENT_LOOP_OUTPUT = {
