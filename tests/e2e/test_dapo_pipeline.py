@@ -119,11 +119,16 @@ def assert_nothing_left(stack: Stack, client: RolloutClient, batch_id: str) -> N
         15,
         "the last stage of every job to end",
     )
-    # the workers themselves: no stage task of the batch is executing anywhere
+    # the workers themselves: no stage task of the batch is executing anywhere (a stage's
+    # task returns just after its stage ended)
     app = create_celery(stack.settings, stack.redis_url)
-    active = app.control.inspect(timeout=2.0).active() or {}
-    running = {t["id"] for tasks in active.values() for t in tasks}
-    assert not {t for t in running if t.rsplit("-", 1)[0] in job_ids}, running
+
+    def running() -> set[str]:
+        active = app.control.inspect(timeout=2.0).active() or {}
+        ids = {t["id"] for tasks in active.values() for t in tasks}
+        return {t for t in ids if t.rsplit("-", 1)[0] in job_ids}
+
+    wait_until(lambda: not running(), 15, "no stage task of the batch to be executing")
     pool = BackendPool(r, "rs:")
     assert all(n == 0 for n in pool.in_flight().values()), pool.in_flight()
     assert not set(pool.holders()) & set(job_ids)
