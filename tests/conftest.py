@@ -36,6 +36,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_sandbox_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Boxes of the stacks that name no directory of their own go under this session's (this
+    xdist worker's) temporary directory, not the checkout's `.rollserve/sandboxes`: stacks of
+    other workers (other Redis) run beside them, and a reaper takes a box whose job its own
+    Redis does not know, in a directory both share, for an orphan."""
+    if os.environ.get("ROLLSERVE_SANDBOX_DIR"):
+        yield
+        return
+    os.environ["ROLLSERVE_SANDBOX_DIR"] = str(tmp_path_factory.mktemp("sandboxes"))
+    yield
+    os.environ.pop("ROLLSERVE_SANDBOX_DIR", None)
+
+
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
     """URL of an empty Redis database (flushed before and after the test)."""

@@ -63,6 +63,10 @@ def start_stack(
         script_path = data_dir / "script.jsonl"
         data_dir.mkdir(parents=True, exist_ok=True)
         script_path.write_text("".join(json.dumps(entry) + "\n" for entry in script))
+    # Boxes of its own unless the module names a directory: stacks of other modules run
+    # beside it (another xdist worker, another Redis), and a reaper takes a box whose job its
+    # own Redis does not know, in a directory both share, for an orphan.
+    settings.setdefault("sandbox_dir", data_dir / "boxes")
     config = Settings(data_dir=data_dir, port=free_port(), **{**FAST_LIMITS, **settings})
     options = StackOptions(
         workers=workers or {"init": 1, "run": 2, "eval": 1},
