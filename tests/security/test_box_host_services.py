@@ -12,8 +12,6 @@ reward 1; the job must end with reward 0, and its trajectory must show the tries
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -24,17 +22,10 @@ import pytest
 from api.client import RolloutClient
 from core.schemas import JobStatus
 from deploy.stack import Stack
-from sandbox.network import missing
+from tests.support.sandbox import needs_box_network
 from tests.support.wait import wait_until
 
-pytestmark = [
-    pytest.mark.skipif(
-        shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
-        reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
-        + ", ".join(missing(os.geteuid() == 0)),
-    ),
-    pytest.mark.full,
-]
+pytestmark = [needs_box_network, pytest.mark.full]
 
 ALLOWED = "pypi.org"
 HOST_REDIS = 6379

@@ -5,8 +5,6 @@ connection its box tried (`egress`), allowed or refused."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,16 +14,9 @@ import pytest
 from api.client import RolloutClient, RolloutServiceError
 from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
-from sandbox.network import missing
+from tests.support.sandbox import needs_box_network
 
-pytestmark = [
-    pytest.mark.skipif(
-        shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
-        reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
-        + ", ".join(missing(os.geteuid() == 0)),
-    ),
-    pytest.mark.full,
-]
+pytestmark = [needs_box_network, pytest.mark.full]
 
 ALLOWED = "pypi.org"
 REFUSED = "github.com"

@@ -32,6 +32,7 @@ import pytest
 from sandbox.base import Sandbox, SandboxBackend, SandboxSpec
 from sandbox.bwrap import BubblewrapBackend
 from sandbox.local import LocalBackend
+from sandbox.network import missing
 from sandbox.procs import LABEL_JOB
 from sandbox.reaper import GRADING_DIR, JOB_DATA_DIR
 from sandbox.statedir import remove_tree
@@ -191,3 +192,12 @@ def leftovers(root: Path) -> list[str]:
         if shared.is_dir():
             found += [p for p in shared.iterdir() if p.name != ".uids.lock"]
     return sorted(str(p.relative_to(root)) for p in found)
+
+
+needs_box_network = pytest.mark.skipif(
+    shutil.which("bwrap") is None or bool(missing(os.geteuid() == 0)),
+    reason="boxes with network need bubblewrap, root, slirp4netns and nftables: "
+    + ", ".join(missing(os.geteuid() == 0)),
+)
+"""For a module whose stack starts boxes with network (their own namespace behind the
+egress proxy)."""
