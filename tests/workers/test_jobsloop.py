@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,6 +109,37 @@ def test_a_job_ended_elsewhere_is_cancelled_by_the_watch(loop: JobsLoop, jobs: J
     # loop forgets it.
     assert live_when_unwound == [False]
     assert loop.is_live("job-cancel") and loop.in_flight == 0
+
+
+def test_a_job_announced_ended_is_cancelled_without_waiting_for_the_watch(jobs: Jobs) -> None:
+    feed: list[Callable[[str], None]] = []
+    subscribed = threading.Event()
+
+    def ended_feed(on_ended: Callable[[str], None], stop: threading.Event) -> None:
+        feed.append(on_ended)
+        subscribed.set()
+        stop.wait()
+
+    # A watch that would take a minute: only the announcement can stop the job in time.
+    loop = JobsLoop(jobs.live_of, poll=60, grace=0.5, ended_feed=ended_feed)
+    started = threading.Event()
+
+    async def episode() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    try:
+        assert subscribed.wait(5)
+        with ThreadPoolExecutor(max_workers=1) as threads:
+            future = threads.submit(loop.run, episode(), "job-pushed")
+            assert started.wait(5)
+            feed[0]("another-job")  # ended elsewhere, not run here: nothing happens
+            feed[0]("job-pushed")
+            with pytest.raises(JobCancelled):
+                future.result(timeout=5)
+        assert jobs.asked == 0 and loop.in_flight == 0
+    finally:
+        loop.close()
 
 
 def test_cancel_stops_only_that_job(loop: JobsLoop) -> None:

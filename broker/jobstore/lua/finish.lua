@@ -31,6 +31,8 @@ redis.call('ZADD', KEYS[4], now, job_id)
 redis.call('ZREM', p .. 'transit', job_id)
 redis.call('RPUSH', KEYS[8], ARGV[1])
 redis.call('EXPIRE', KEYS[8], 600)
+-- workers running a stage of the job stop it now, not at their next watch (listen_ended)
+redis.call('PUBLISH', p .. 'ended', job_id)
 local out = {1, ''}
 if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
   local bid = redis.call('HGET', KEYS[5], 'batch_id')

@@ -10,8 +10,13 @@ end: at each step every logit but the scripted id's is set to -inf, so the sampl
 it. The logprobs vLLM returns are the raw model's (`logprobs_mode` `raw_logprobs`, computed
 before any processor), so they still equal a recomputation of the model.
 
+A request whose prompt holds the `endless` id (`<|fim_pad|>`, which no template puts anywhere)
+cannot end by itself: every `end_ids` logit is set to -inf, so it runs to its `max_tokens`
+(as vLLM's `min_tokens` would; rollserve's sampling parameters do not carry that).
+
 Configured by the environment: `ROLLSERVE_SCRIPTED_TOOL_CALLS`, JSON
-`{"trigger": id, "turn_marker": id, "scripts": [[id, ...], ...]}`.
+`{"trigger": id, "turn_marker": id, "scripts": [[id, ...], ...], "endless": id,
+"end_ids": [id, ...]}`.
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ class ScriptedToolCalls(LogitsProcessor):
         self.trigger: int = config["trigger"]
         self.turn_marker: int = config.get("turn_marker", -1)
         self.scripts: list[list[int]] = config["scripts"]
+        self.endless: int = config.get("endless", -1)
+        self.end_ids: list[int] = config.get("end_ids", [])
         self.active: dict[int, tuple[list[int], list[int]]] = {}
         """Batch index: (its script, its output ids so far, a live list vLLM updates)."""
+        self.unending: set[int] = set()
+        """Batch indices of requests that cannot end by themselves."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -43,8 +52,12 @@ class ScriptedToolCalls(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.active.pop(index, None)
+            self.unending.discard(index)
         for index, _params, prompt, output in batch_update.added:
             self.active.pop(index, None)
+            self.unending.discard(index)
+            if prompt is not None and self.endless in prompt:
+                self.unending.add(index)
             if prompt is not None and self.trigger in prompt:
                 turn = min(list(prompt).count(self.turn_marker), len(self.scripts) - 1)
                 self.active[index] = (self.scripts[turn], output)
@@ -54,6 +67,12 @@ class ScriptedToolCalls(LogitsProcessor):
                 self.active[second] = a
             if b is not None and direction.name == "SWAP":
                 self.active[first] = b
+            c, d = first in self.unending, second in self.unending
+            self.unending.difference_update((first, second))
+            if c:
+                self.unending.add(second)
+            if d and direction.name == "SWAP":
+                self.unending.add(first)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (script, output) in self.active.items():
@@ -62,4 +81,6 @@ class ScriptedToolCalls(LogitsProcessor):
                 kept = logits[index, script[step]].clone()
                 logits[index] = float("-inf")
                 logits[index, script[step]] = kept
+        for index in self.unending:
+            logits[index, self.end_ids] = float("-inf")
         return logits
