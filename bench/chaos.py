@@ -15,7 +15,13 @@ quarter of the batch has finished, with work in every stage, the fault strikes:
 - `node_lost`: every worker of a second node, holding sandboxed jobs pinned to it, SIGKILLed
   for good (bubblewrap needed);
 - `sandbox_disk_full`: the file system of the sandbox directory filled for 10 s (root
-  needed: it is a small tmpfs of the run's own).
+  needed: it is a small tmpfs of the run's own);
+- `worker_killed_mid_episode`: 40-turn episodes in bubblewrap boxes (each turn a bash call
+  appending its number to a file), the run worker holding them SIGKILLed when they are
+  half done: the worker that takes RUN over goes on from the last saved turn in the same
+  box. `turns_lost_max_mid_episode` is the most model calls any of them lost (made again, or
+  in flight at the kill: the aim is 1), `tools_run_twice` the jobs whose file shows a
+  tool call run twice (their grade fails).
 
 Per fault: jobs submitted, completed, failed (with error types), duplicated (a job's end
 recorded or streamed more than once), lost (not ended by the deadline, 240 s after the
@@ -72,6 +78,9 @@ from routing.devserver.tiny import make_tiny_model
 AIM_RECOVERY_S = 60.0
 DEADLINE_S = 240.0
 DELAY_S = 2.0
+LONG_TURNS = 40
+"""Bash calls of each episode of `worker_killed_mid_episode` (then a finish call)."""
+LONG_DELAY_S = 0.4
 ANSWER = "So it is \\boxed{4}."
 FINISH = '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>'
 WRITE = (
@@ -81,6 +90,20 @@ WRITE = (
 SCRIPT = [
     {"match": "CHAOS-MATH", "samples": [[ANSWER]], "delay": DELAY_S},
     {"match": "CHAOS-BOX", "samples": [[WRITE, FINISH]], "delay": DELAY_S},
+    {
+        "match": "CHAOS-LONG",
+        "samples": [
+            [
+                *(
+                    f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "echo {k} >> '
+                    f'/workspace/log.txt"}}}}\n</tool_call>'
+                    for k in range(LONG_TURNS)
+                ),
+                FINISH,
+            ]
+        ],
+        "delay": LONG_DELAY_S,
+    },
 ]
 NODE_B = {"init": "worker-init-b", "run": "worker-run-b", "eval": "worker-eval-b"}
 LIVE = ("init", "run", "eval")
@@ -90,6 +113,17 @@ def math_tasks(n: int) -> list[dict[str, str]]:
     return [
         {"data_source": "math", "instance_id": f"m{i}", "problem": f"CHAOS-MATH {i}: 2+2?",
          "answer": "4"}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def long_tasks(n: int) -> list[dict[str, str]]:
+    """Episodes of `LONG_TURNS` bash calls, each appending its number to a file: graded right
+    only when every call ran exactly once."""
+    return [
+        {"data_source": "shell", "instance_id": f"l{i}",
+         "instruction": f"CHAOS-LONG {i}: append 0 to {LONG_TURNS - 1} to log.txt.",
+         "check": f'test "$(cat /workspace/log.txt)" = "$(seq 0 {LONG_TURNS - 1})"'}
         for i in range(n)
     ]  # fmt: skip
 
@@ -119,6 +153,8 @@ class Lab:
     streamed: list[tuple[str, float]] = field(default_factory=list)
     stream_error: str = ""
     notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Figures of the fault's own (`Fault.settle`)."""
 
     @property
     def r(self) -> redis.Redis:
@@ -176,16 +212,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 def measure(fault: Fault, work: Path, model: Path, quick: bool) -> dict[str, Any]:
     """Stage the fault against one batch on a stack of its own; its figures."""
-    n = (12 if fault.sandboxed else 16) if quick else (24 if fault.sandboxed else 48)
+    n = fault.batch_size(quick)
     with contextlib.ExitStack() as undo:
         undo.callback(sweep_strays, work)
         stack = fault.start(work, model, undo)
         undo.callback(stack.stop)
         client = undo.enter_context(RolloutClient(stack.gateway_url, timeout=30))
         lab = Lab(stack, client, quick, work)
-        tasks = box_tasks(n) if fault.sandboxed else math_tasks(n)
         started = time.monotonic()
-        accepted = client.submit_batch(tasks, group_size=1, sampling={"seed": 0})
+        accepted = client.submit_batch(
+            fault.tasks(n), group_size=1, sampling={"seed": 0}, agent=fault.agent
+        )
         lab.batch_id, lab.jobs = accepted.batch_id, list(accepted.jobs)
         reader = threading.Thread(target=lab.read_stream, name="trainer", daemon=True)
         reader.start()
@@ -220,6 +257,7 @@ def measure(fault: Fault, work: Path, model: Path, quick: bool) -> dict[str, Any
             "batch_s": round(ended - started, 2),
             "stream_error": lab.stream_error or None,
             "notes": lab.notes,
+            **lab.extra,
         }
 
 
@@ -301,6 +339,14 @@ def standard_stack(work: Path, model: Path, **settings: Any) -> Stack:
 class Fault:
     name: str
     sandboxed: bool = False
+    agent: dict[str, Any] | None = None
+    """The batch's agent parameters (None: the service's defaults)."""
+
+    def batch_size(self, quick: bool) -> int:
+        return (12 if self.sandboxed else 16) if quick else (24 if self.sandboxed else 48)
+
+    def tasks(self, n: int) -> list[dict[str, str]]:
+        return box_tasks(n) if self.sandboxed else math_tasks(n)
 
     def unavailable(self) -> str | None:
         """Why this fault cannot be staged on this machine, or None."""
@@ -480,6 +526,61 @@ class SandboxDiskFull(Fault):
         return time.monotonic()
 
 
+@dataclass
+class WorkerKilledMidEpisode(Fault):
+    """The run worker holding long episodes killed when they are half done."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def batch_size(self, quick: bool) -> int:
+        return 2 if quick else 4
+
+    def tasks(self, n: int) -> list[dict[str, str]]:
+        return long_tasks(n)
+
+    def unavailable(self) -> str | None:
+        return no_bwrap()
+
+    def start(self, work: Path, model: Path, undo: contextlib.ExitStack) -> Stack:
+        return standard_stack(work, model, sandbox_backend="bwrap")
+
+    def model_calls(self, lab: Lab, job_id: str) -> int:
+        return sum(t.type == "model" for t in lab.client.get_rollout(job_id).turns)
+
+    def ready(self, lab: Lab) -> bool:
+        held = run_holders(lab)
+        if not held:
+            return False
+        _, jobs = max(held.items(), key=lambda item: len(item[1]))
+        return all(self.model_calls(lab, j) >= LONG_TURNS // 2 for j in jobs)
+
+    def strike(self, lab: Lab) -> float:
+        pid, held = max(run_holders(lab).items(), key=lambda item: len(item[1]))
+        self.saved = {job_id: self.model_calls(lab, job_id) for job_id in held}
+        os.kill(pid, signal.SIGKILL)
+        lab.notes.append(f"the killed worker held {len(held)} episode(s) in RUN")
+        return time.monotonic()
+
+    def settle(self, lab: Lab) -> None:
+        """Per killed episode: model calls saved at the kill and not kept, plus the call in
+        flight then (it is made again)."""
+        lost: dict[str, int] = {}
+        twice = 0
+        for job_id, saved in self.saved.items():
+            traj = lab.client.get_rollout(job_id)
+            kept = 0
+            if traj.resumes:
+                kept = sum(t.type == "model" for t in traj.turns[: traj.resumes[0].turn])
+            lost[job_id] = saved - kept + 1
+            twice += traj.reward != 1.0
+        lab.extra = {
+            "turns_lost_max_mid_episode": max(lost.values(), default=None),
+            "turns_lost_per_episode": sorted(lost.values()),
+            "episodes_resumed": sum(bool(lab.client.get_rollout(j).resumes) for j in lost),
+            "tools_run_twice": twice,
+        }
+
+
 FAULTS: dict[str, Fault] = {
     f.name: f
     for f in (
@@ -491,6 +592,9 @@ FAULTS: dict[str, Fault] = {
         BackendKilled("backend_killed"),
         NodeLost("node_lost", sandboxed=True),
         SandboxDiskFull("sandbox_disk_full", sandboxed=True),
+        WorkerKilledMidEpisode(
+            "worker_killed_mid_episode", sandboxed=True, agent={"max_turns": LONG_TURNS + 5}
+        ),
     )
 }
 
@@ -515,6 +619,8 @@ def meets_aims(entry: dict[str, Any]) -> bool:
         and entry.get("duplicated") == 0
         and recover is not None
         and recover < AIM_RECOVERY_S
+        and (entry.get("turns_lost_max_mid_episode") or 0) <= 1
+        and not entry.get("tools_run_twice")
     )
 
 
@@ -605,10 +711,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{entry.get('slowdown', '-'):>10}"
         )
     met = [meets_aims(e) for e in results.values() if "skipped" not in e]
+    mid = results.get("worker_killed_mid_episode", {})
     report: dict[str, Any] = {
         "bench": "chaos",
         "quick": args.quick,
-        "aims": {"lost": 0, "duplicated": 0, "recover_s_below": AIM_RECOVERY_S},
+        "turns_lost_max_mid_episode": mid.get("turns_lost_max_mid_episode"),
+        "aims": {
+            "lost": 0,
+            "duplicated": 0,
+            "recover_s_below": AIM_RECOVERY_S,
+            "turns_lost_max_mid_episode": 1,
+        },
         "all_met": bool(met) and all(met),
         "baseline": baseline,
         "faults": results,

@@ -326,6 +326,23 @@ class Segment(BaseModel):
     """The policy version of each of the segment's model calls, in order."""
 
 
+class Resume(BaseModel):
+    """One continuation of the episode by a worker that took RUN over from one that died, in
+    the same sandbox: the turns saved before it were kept, not generated or run again."""
+
+    turn: int
+    """Index in the trajectory's `turns` where the episode went on (the turns before it were
+    saved by the earlier worker)."""
+    dropped_turns: int = 0
+    """Saved turns not kept: a last model turn whose tool calls may have run without their
+    results being saved (0 or 1); its call is made again."""
+    reprefill_ids: int = 0
+    """Ids the next call re-sends as its prompt (the backend prefills them again, unless its
+    prefix cache still holds them)."""
+    attempt: int = 0
+    """The job's attempt that resumed (it counts every takeover)."""
+
+
 class HarnessRun(BaseModel):
     """How the job's own agent harness ran: `agent.command` in its sandbox, or a session's
     caller outside the service."""
@@ -417,6 +434,9 @@ class Trajectory(BaseModel):
     stale_reruns: int = 0
     """Times the episode was started again because its turns went stale
     (`agent.max_staleness`); the turns here are all from the last start."""
+    resumes: list[Resume] = Field(default_factory=list)
+    """Where a worker that took RUN over from a dead one went on from the last saved turn
+    (empty when the episode ran in one go, or started again from its first turn)."""
     timing: Timing = Field(default_factory=Timing)
     hosts: dict[str, str] = Field(default_factory=dict)
     """The worker node that ran each stage (`init`, `run`, `eval`)."""

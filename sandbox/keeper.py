@@ -203,6 +203,12 @@ def _stop_keeper(pid: int, job_id: str, timeout: float) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def is_kept(kept: KeptSandbox | dict[str, Any]) -> bool:
+    """Whether the sandbox's keeper still runs (asked on the node that holds it)."""
+    record = kept.as_dict() if isinstance(kept, KeptSandbox) else kept
+    return _is_keeper(int(record["keeper_pid"]), str(record["job_id"]))
+
+
 def _is_keeper(pid: int, job_id: str) -> bool:
     """True while `pid` is alive and is the keeper of `job_id`'s sandbox (pids get reused)."""
     try:

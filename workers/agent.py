@@ -9,11 +9,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from core.schemas import ModelTurn
 from routing.protocol import Completion, KnowsRefusedIds, PolicyClient
 from routing.vllm import OutOfVocabularyError
 from sandbox.base import SandboxSecurityError
 from workers.conversation import Conversation, Templater
 from workers.handlers.base import Handler
+from workers.resume import Restored
 from workers.toolcalls import ParsedCalls, bounded_arguments, format_result, parse_tool_calls
 from workers.trajectory import TrajectoryBuilder
 
@@ -77,6 +79,7 @@ async def run_episode(
     limits: Limits,
     on_turn: Callable[[TrajectoryBuilder], Awaitable[object] | None] = lambda _b: None,
     runner: ToolRunner | None = None,
+    restored: Restored | None = None,
 ) -> Episode:
     """Run the multi-turn loop until an answer, `max_turns`, a budget or the context ends it.
 
@@ -91,36 +94,51 @@ async def run_episode(
     results appended as tool messages; a malformed call becomes an error message the model
     reads, and is counted. A turn without calls goes to the handler's `step`.
     `on_turn` sees the builder after every turn, so a partial trajectory can be saved (what
-    it returns is awaited when awaitable: a save made on a thread).
+    it returns is awaited when awaitable: a save made on a thread). With `restored` (the
+    state at an earlier worker's last saved turn, `workers.resume`), the loop goes on from
+    there instead of the first call.
     """
     declared = {t.get("function", t).get("name") for t in tools or []}
-    conversation = Conversation(templater)
     context = await policy.max_model_len()
-    messages = list(messages)
-    conversation.commit(await conversation.plan(messages, tools), messages, tools)
+    pending: ModelTurn | None = None
+    if restored is None:
+        conversation = Conversation(templater)
+        messages = list(messages)
+        conversation.commit(await conversation.plan(messages, tools), messages, tools)
+        first = 0
+    else:
+        conversation, messages = restored.conversation, list(restored.messages)
+        first, pending = restored.first_turn, restored.pending
     builder = conversation.builder
     assert builder is not None
     try:
         _fits(builder, context, limits)
-        for turn in range(limits.max_turns):
-            max_tokens = _next_call(builder, context, limits, policy, turn)
+        for turn in range(first, limits.max_turns):
             turn_started = time.perf_counter()
-            completion = await _call(policy, builder, limits, max_tokens)
-            parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
-            reply = {"role": "assistant", "content": completion.text}
-            model_turn = conversation.record(
-                completion,
-                reply,
-                llm_seconds=time.perf_counter() - turn_started,
-                tool_calls=[c.as_dict() for c in parsed.calls],
-            )
-            builder.malformed_tool_calls += len(parsed.errors)
-            saving = on_turn(builder)  # a save on a thread goes on while the tools run
+            saving: Awaitable[object] | None = None
+            if pending is None:
+                max_tokens = _next_call(builder, context, limits, policy, turn)
+                completion = await _call(policy, builder, limits, max_tokens)
+                parsed = parse_tool_calls(completion.text) if tools else ParsedCalls()
+                reply = {"role": "assistant", "content": completion.text}
+                model_turn = conversation.record(
+                    completion,
+                    reply,
+                    llm_seconds=time.perf_counter() - turn_started,
+                    tool_calls=[c.as_dict() for c in parsed.calls],
+                )
+                builder.malformed_tool_calls += len(parsed.errors)
+                saving = on_turn(builder)  # a save on a thread goes on while the tools run
+            else:
+                # A saved call whose reply was not (workers.resume): read again, not made again.
+                model_turn, pending, max_tokens = pending, None, limits.max_tokens
+                parsed = parse_tool_calls(model_turn.text) if tools else ParsedCalls()
+                reply = conversation.reply or {"role": "assistant", "content": model_turn.text}
             step_started = time.perf_counter()
             try:
-                _cut_by_bounds(completion, builder, context, limits, max_tokens)
+                _cut_by_bounds(model_turn, builder, context, limits, max_tokens)
                 replies = await _within_budget(
-                    _react(handler, task, completion.text, turn, parsed, declared, runner,
+                    _react(handler, task, model_turn.text, turn, parsed, declared, runner,
                            limits.tool_bound()),
                     limits,
                 )  # fmt: skip
@@ -205,7 +223,7 @@ async def _within_budget(work: Awaitable[T], limits: Limits) -> T:
 
 
 def _cut_by_bounds(
-    completion: Completion,
+    completion: ModelTurn,
     builder: TrajectoryBuilder,
     context: int,
     limits: Limits,

@@ -106,6 +106,27 @@ class Conversation:
         """The last call's answer as an assistant message, as it was returned."""
         self._last_output: list[int] = []
 
+    @classmethod
+    def restored(
+        cls,
+        templater: Templater,
+        builder: TrajectoryBuilder,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        reply: dict[str, Any],
+    ) -> Conversation:
+        """The conversation that recorded `builder`'s turns: its last call was asked with
+        `messages` and `tools` (or its reply already followed, in `messages`) and answered
+        `reply` (`workers.resume`)."""
+        last = [t for t in builder.turns if isinstance(t, ModelTurn)][-1]
+        conversation = cls(templater)
+        conversation.builder = builder
+        conversation.messages = messages
+        conversation.tools = tools
+        conversation.reply = reply
+        conversation._last_output = list(last.output_ids)
+        return conversation
+
     @property
     def sequence_length(self) -> int:
         return 0 if self.builder is None else self.builder.sequence_length

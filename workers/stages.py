@@ -17,7 +17,7 @@ from broker.jobstore import JobRecord
 from core.schemas import MAX_STALE_RERUNS, TERMINAL_STATUSES, JobStatus, StageError, Trajectory
 from sandbox.egress import read_events
 from sandbox.harnesses import harness_env_bind, harness_env_ready
-from sandbox.keeper import launch
+from sandbox.keeper import is_kept, launch
 from sandbox.limits import read_limit_hits
 from sandbox.toolclient import AsyncToolClient, ToolClient
 from workers.agent import Episode, Limits, run_episode
@@ -27,6 +27,7 @@ from workers.handlers.registry import get_handler
 from workers.harness.run import HarnessEpisode, HarnessJob, instruction_of, run_harness_episode
 from workers.harness.sessions import IDLE, KEY_HASH, SessionJob, run_session_episode
 from workers.process_state import Runtime, shares_loop
+from workers.resume import Restored, restore
 from workers.routed_policy import JobCancelled, RoutedPolicy, StalePolicy
 from workers.trajectory import TrajectoryBuilder
 
@@ -135,9 +136,11 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
         raise RuntimeError("the job reached RUN without the context INIT prepares")
     handler = get_handler(record.data_source)
     limits = limits_for(record, rt.settings.tool_timeout)
+    saved, record = _saved_episode(rt, job_id, record, handler)
     reruns = 0
     while True:
-        attempt = _run_episode(rt, job_id, record, handler, limits, reruns)
+        attempt = _run_episode(rt, job_id, record, handler, limits, reruns, saved)
+        saved = None
         if isinstance(attempt, StalePolicy):
             if record.agent.get("on_stale") == "drop" or reruns >= MAX_STALE_RERUNS:
                 why = str(attempt) + (f" (after {reruns} reruns)" if reruns else "")
@@ -176,11 +179,40 @@ def run_stage(rt: Runtime, job_id: str) -> bool:
     return True
 
 
+def _saved_episode(
+    rt: Runtime, job_id: str, record: JobRecord, handler: Handler
+) -> tuple[Trajectory | None, JobRecord]:
+    """What an earlier worker saved of the job's episode, to go on with (`workers.resume`),
+    and the job's record: only for a RUN taken over (the job's attempt counts takeovers) of
+    the built-in loop, when the box those turns ran in (if any) still runs here. A box found
+    gone is replaced by a fresh one, where the episode starts again."""
+    if record.attempt == 0 or record.agent.get(KEY_HASH) or record.agent.get("command"):
+        return None, record
+    stored = rt.store.stored_trajectory(job_id)
+    if stored is None or not stored.turns:
+        return None, record
+    box = record.sandbox
+    if box is not None and box.get("host") != rt.settings.node_name:
+        return None, record
+    if box is not None and not is_kept(box):
+        log.info("job %s: its box is gone; the episode starts again in a fresh one", job_id)
+        start_sandbox(rt, job_id, record, handler)  # what was saved in the old one is dropped
+        return None, rt.store.get(job_id)
+    return stored, record
+
+
 def _run_episode(
-    rt: Runtime, job_id: str, record: JobRecord, handler: Handler, limits: Limits, reruns: int
+    rt: Runtime,
+    job_id: str,
+    record: JobRecord,
+    handler: Handler,
+    limits: Limits,
+    reruns: int,
+    saved: Trajectory | None = None,
 ) -> tuple[Episode, Trajectory] | StalePolicy | None:
-    """One start of the job's episode: the episode and its trajectory; the `StalePolicy`
-    that stopped it; or None when the job was ended from outside (its box given back)."""
+    """One start of the job's episode (from the `saved` turns of an earlier worker, when it
+    can go on from them): the episode and its trajectory; the `StalePolicy` that stopped it;
+    or None when the job was ended from outside (its box given back)."""
     routed = RoutedPolicy(
         rt.pool,
         job_id,
@@ -196,6 +228,21 @@ def _run_episode(
     trajectory = rt.store.skeleton(record)
     trajectory.status = JobStatus.run
     trajectory.stale_reruns = reruns
+    restored: Restored | None = None
+    if saved is not None and record.context is not None:
+        restored = restore(
+            saved, record.context["messages"], record.context.get("tools"), routed, record.attempt
+        )
+    if restored is not None:
+        trajectory.stale_reruns = saved.stale_reruns if saved is not None else reruns
+        trajectory.resumes = [*restored.stored.resumes, restored.resume]
+        log.info(
+            "job %s goes on from its turn %d (%d saved turn(s) dropped, %d ids to prefill again)",
+            job_id,
+            restored.resume.turn,
+            restored.resume.dropped_turns,
+            restored.resume.reprefill_ids,
+        )
 
     def save(builder: TrajectoryBuilder) -> Awaitable[bool]:
         """The trajectory so far, written on a thread (already started: the loop goes on,
@@ -211,7 +258,7 @@ def _run_episode(
     elif record.agent.get("command"):
         work = _harness_episode(rt, record, routed, limits, save)
     else:
-        work = _episode_with_tools(record, handler, routed, limits, save)
+        work = _episode_with_tools(record, handler, routed, limits, save, restored)
     try:
         episode = rt.run(work, job_id=job_id, time_limit=rt.settings.run_soft_time_limit)
         routed.check_staleness()  # the bound holds until the episode's end, not only per turn
@@ -247,6 +294,7 @@ async def _episode_with_tools(
     routed: RoutedPolicy,
     limits: Limits,
     save: Callable[[TrajectoryBuilder], Awaitable[object] | None],
+    restored: Restored | None = None,
 ) -> Episode:
     assert record.context is not None
     runner = None
@@ -263,6 +311,7 @@ async def _episode_with_tools(
             limits,
             on_turn=save,
             runner=runner,
+            restored=restored,
         )
     finally:
         if runner is not None:

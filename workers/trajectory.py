@@ -47,6 +47,34 @@ class TrajectoryBuilder:
         self.tool_seconds = 0.0
         self.malformed_tool_calls = 0
 
+    @classmethod
+    def restored(cls, turns: list[ModelTurn | EnvTurn]) -> TrajectoryBuilder:
+        """The builder that recorded `turns` (a saved episode's, first one a model call),
+        rebuilt by recording them again; `ValueError` when they are not such a record."""
+        if not turns or not isinstance(turns[0], ModelTurn):
+            raise ValueError("a saved episode begins with a model call")
+        builder = cls(turns[0].prompt_ids)
+        for turn in turns:
+            if isinstance(turn, EnvTurn):
+                builder.add_env_turn(turn.observation_ids, turn.text, turn.tool_seconds)
+                continue
+            if turn.segment_start is not None:
+                builder.start_segment(turn.prompt_ids, turn.segment_start)
+            if builder._pending_prompt != turn.prompt_ids:
+                raise ValueError(f"turn {len(builder.turns)}'s prompt does not follow the turns")
+            again = builder.add_model_turn(
+                turn.output_ids,
+                turn.logprobs,
+                turn.text,
+                turn.finish_reason,
+                turn.llm_seconds,
+                turn.tool_calls,
+                backend_id=turn.backend_id,
+                policy_version=turn.policy_version,
+            )
+            again.turn_seconds = turn.turn_seconds
+        return builder
+
     @property
     def _current(self) -> Flat:
         return self._segments[-1].flat

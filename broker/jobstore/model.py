@@ -109,3 +109,5 @@ class JobRecord:
     """The node that ran each stage (the last one, if a stage ran twice)."""
     result: str | None = None
     """Where the results store keeps the finished trajectory, once it moved there."""
+    attempt: int = 0
+    """Times a stage of the job was taken over from a worker that stopped (0: never)."""

@@ -171,6 +171,7 @@ class Records(Trajectories):
             sandbox=json.loads(h["sandbox"]) if h.get("sandbox") else None,
             hosts={k[5:]: v for k, v in h.items() if k.startswith("host_")},
             result=h.get("result") or None,
+            attempt=int(h.get("attempt") or 0),
         )
 
     def live_job_ids(self, job_ids: Iterable[str]) -> list[str]:
@@ -343,6 +344,9 @@ class Records(Trajectories):
         pipe.hset(self._job(job_id), mapping=mapping)
         if "sandbox" in fields:  # a new box (e.g. a redelivered INIT's) is not released yet
             pipe.hdel(self._job(job_id), "sandbox_released")
+            # and what was saved of an episode in another box is not one to go on with
+            # (workers.resume): the episode starts again in this one
+            pipe.delete(self._traj(job_id), self._turns(job_id), self._sums(job_id))
         pipe.execute()
 
     def finish(

@@ -1,4 +1,4 @@
-"""Dynamic sampling end to end on a real stack: REST → Redis → prefork init/run/eval workers →
+"""Dynamic sampling end to end on a real stack: REST → Redis → init/run/eval workers →
 the development server playing scripted rewards, with bubblewrap sandboxes.
 
 The pools mix tasks whose samples are all right, all wrong, mixed (informative), and slow
@@ -7,7 +7,9 @@ call returns), exactly the target's informative groups came back and nothing of 
 runs or holds a sandbox or a backend slot — checked at once, with the sandbox reaper turned
 far down so that only the cancellation path can have freed them, and with no grace before
 running stages are terminated, so the kill path and its confirmation are what is tested
-(the run stage's own stop within a turn is the routing tests' subject).
+(the run stage's own stop within a turn is the routing tests' subject). Each test runs on a
+prefork RUN worker and on a many-jobs one (`RUN_POOLS`), where stopping a running job
+cancels its task on the worker's event loop instead of killing a process.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def shell_task(marker: str) -> dict[str, str]:
         "instruction": f"{marker}: create /workspace/ok.",
         "check": "test -f /workspace/ok",
     }
+
+
+RUN_POOLS = {"prefork": 0, "jobs": 6}
+"""Each test runs on a prefork RUN worker and on one holding its jobs on one event loop."""
 
 
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:

@@ -1,7 +1,10 @@
-"""End to end on a real stack: REST → Redis → prefork init/run/eval workers → dev backend.
+"""End to end on a real stack: REST → Redis → init/run/eval workers → dev backend.
 
 The development server plays scripted completions (scored by the tiny model, so logprobs are
-real); every test talks to the gateway over HTTP with the Python client.
+real); every test talks to the gateway over HTTP with the Python client. Each test runs
+against both kinds of RUN worker (`RUN_POOLS`): prefork, and one process holding its jobs on
+one event loop (`--jobs N`, Celery's threads pool), where cancellation and time limits cancel
+a job's task instead of killing a process.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -48,6 +52,9 @@ GLACIAL = math_task("GLACIAL", "What is 0+1?", "1")
 REFUSED = math_task("REFUSED", "What is 1+1?", "2")
 FLAKY = math_task("FLAKY", "What is 4+5?", "9")
 PATIENT = math_task("PATIENT", "What is 4+4?", "8")
+
+
+RUN_POOLS = {"prefork": 0, "jobs": 16}
 
 
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
@@ -188,6 +195,7 @@ def pool_processes(worker_pid: int) -> list[int]:
     return [int(pid) for pid in children]
 
 
+@pytest.mark.run_pool("prefork")
 def test_killed_pool_process_is_replaced_and_its_job_requeued(
     client: RolloutClient, stack: Stack
 ) -> None:
@@ -201,3 +209,39 @@ def test_killed_pool_process_is_replaced_and_its_job_requeued(
     assert [(t.job_id, t.status, t.reward) for t in results] == [(job_id, JobStatus.completed, 1.0)]
     r = redis.Redis.from_url(stack.redis_url)
     assert r.xlen(f"rs:batch:{accepted.batch_id}:done") == 1
+
+
+def backend_queue(url: str, api_key: str) -> float:
+    """Requests the development server holds now (waiting on their delay, or running)."""
+    answer = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    total = 0.0
+    for line in answer.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.run_pool("jobs")
+def test_one_process_holds_many_jobs_at_once(client: RolloutClient, stack: Stack) -> None:
+    # A fresh many-jobs RUN worker alone on the queue (an earlier test replaced the first).
+    for name in [n for n in stack.worker_names if n.startswith("worker-run")]:
+        stack.kill_worker(name, signal.SIGTERM)
+    run_worker = stack.start_worker("run", 1, jobs=16)
+    stack.wait_worker(run_worker)
+    worker = stack.children[run_worker].pid
+    tasks = [{**PATIENT, "instance_id": f"patient-{i}"} for i in range(12)]
+    accepted = client.submit_batch(tasks, group_size=1, sampling={"seed": 0})
+    # PATIENT answers after 3 s: all twelve wait on the backend at once, from one process.
+    wait_until(
+        lambda: backend_queue(stack.dev_backend_url, stack.backend_api_key) >= 12,
+        30,
+        "12 requests in flight",
+    )
+    children = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+    assert children == []  # no pool processes: the jobs are coroutines of the worker itself
+    results = list(client.iter_batch_results(accepted.batch_id))
+    assert sorted(t.instance_id for t in results) == sorted(t["instance_id"] for t in tasks)
+    assert all(t.status is JobStatus.completed and t.reward == 1.0 for t in results)
+    assert all(b.in_flight == 0 for b in client.list_backends())

@@ -1,5 +1,8 @@
 """Tool-using jobs end to end: INIT starts a bubblewrap sandbox with its tool server, RUN runs
-the model's tool calls in it, EVAL grades in it, and the job's end always stops it."""
+the model's tool calls in it, EVAL grades in it, and the job's end always stops it. On a
+prefork RUN worker and on a many-jobs one (`RUN_POOLS`), whose tools are called over each
+box's socket from the worker's one event loop and whose cancelled job's box is reaped
+without its process being killed."""
 
 from __future__ import annotations
 
@@ -74,6 +77,10 @@ EDIT = shell_task(
     "EDIT-FILE", "grep -q 'x = 2' /workspace/app.py", files={"/workspace/app.py": "x = 1\n"}
 )
 LINGER = shell_task("LINGER", "true")
+
+
+RUN_POOLS = {"prefork": 0, "jobs": 8}
+"""Each test runs on a prefork RUN worker and on one holding its jobs on one event loop."""
 
 
 def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:

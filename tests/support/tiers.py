@@ -7,7 +7,8 @@ server, and one whole-pipeline stack. `make test` runs both and ends with the ti
 
 Groups. `make test` spreads the suite over pytest-xdist workers; a group is run by one worker
 from start to end, so that what its tests share is made once: every module is a group of its
-own (its module-scoped stack starts once), and tests/vllm/ is one group (its tests share one
+own (its module-scoped stack starts once), or each of its stack variants is (`run=<pool>`),
+and tests/vllm/ is one group (its tests share one
 session-scoped vLLM server and one package-scoped stack). The full tier is collected first,
 vLLM first, and handed out in that order (`--no-loadscope-reorder`), so that no worker is
 given a long group when the others are nearly done.
@@ -18,6 +19,7 @@ The root conftest.py loads this as a plugin; without xdist the groups are inert.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +28,8 @@ import pytest
 
 SHARED_DIRECTORIES = ("tests/vllm/",)
 """Directories whose tests share session-scoped services: each is one group."""
+VARIANT = re.compile(r"(?<=[\[-])run=\w+(?=[\]-])")
+"""A module-scoped stack variant in a test's id (`test_x[run=jobs]`)."""
 FULL_MARKERS = ("full", "vllm", "slurm", "browser", "netns")
 """A test with one of these is in the full tier."""
 
@@ -35,16 +39,20 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def group_of(nodeid: str) -> str:
-    """The group of a test, from its node id (all the xdist controller knows of it)."""
+    """The group of a test, from its node id (all the xdist controller knows of it): a
+    module, or a module's stack variant (a test id holding `run=<pool>`, see
+    tests/e2e/conftest.py: each variant has a stack of its own, so two workers may take them)."""
     for directory in SHARED_DIRECTORIES:
         if nodeid.startswith(directory):
             return directory.rstrip("/")
-    return nodeid.split("::", 1)[0]
+    module = nodeid.split("::", 1)[0]
+    variant = VARIANT.search(nodeid.split("::", 1)[-1])
+    return f"{module}[{variant[0]}]" if variant else module
 
 
 def rank_of(item: pytest.Item) -> int:
     """Collection rank: shared services first, then the rest of the full tier, then check."""
-    if group_of(item.nodeid) != item.nodeid.split("::", 1)[0]:
+    if group_of(item.nodeid).startswith(SHARED_DIRECTORIES):
         return 0
     return 1 if tier_of(item) == "full" else 2
 

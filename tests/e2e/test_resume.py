@@ -1,0 +1,129 @@
+"""A long episode survives its RUN worker, end to end: the worker is SIGKILLed while the
+engine answers a model call in the middle of a multi-turn episode in a bubblewrap box; the
+sweeper hands RUN to a fresh worker on the same node, which goes on from the last saved turn
+in the same box. No saved call is made again and no tool call runs twice: every line the
+episode's bash calls append to a file is there exactly once, and the trajectory says where it
+was resumed."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from api.client import RolloutClient
+from core.schemas import EnvTurn, JobStatus, ModelTurn, Trajectory
+from deploy.stack import Stack
+from tests.e2e.test_recovery import holder_pid, job_fields
+from tests.support.swe import bwrap_problem
+from tests.support.wait import wait_until
+
+pytestmark = [
+    pytest.mark.full,
+    pytest.mark.skipif(
+        bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
+    ),
+]
+
+CALLS = 8
+"""Bash calls of the episode, each appending its number to /workspace/log.txt; then finish."""
+DELAY = 2.5
+"""Seconds each model call takes on the development server: the window the kill lands in."""
+
+
+def call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+SCRIPT = [
+    {
+        "match": "RESUME-LOG",
+        "samples": [
+            [call("bash", command=f"echo {k} >> /workspace/log.txt") for k in range(CALLS)]
+            + [call("finish", result="logged")]
+        ],
+        "delay": DELAY,
+    }
+]
+TASK = {
+    "data_source": "shell",
+    "instance_id": "resume-log",
+    "instruction": "RESUME-LOG: append 0 to 7 to /workspace/log.txt, one per line.",
+    # Every line once, in order: a tool call run twice would show.
+    "check": f'test "$(cat /workspace/log.txt)" = "$(seq 0 {CALLS - 1})"',
+}
+
+
+def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]:
+    return {
+        "script": SCRIPT,
+        "workers": {"init": 1, "run": 1, "eval": 1},
+        "sandbox_dir": data / "sandboxes",
+        "sandbox_backend": "bwrap",
+        "run_soft_time_limit": 120.0,
+        "run_time_limit": 130.0,
+        "visibility_timeout": 900.0,  # only the sweeper's takeover brings RUN back in time
+    }
+
+
+def requests_in_flight(stack: Stack) -> float:
+    answer = httpx.get(
+        f"{stack.dev_backend_url}/metrics",
+        headers={"Authorization": f"Bearer {stack.backend_api_key}"},
+        timeout=10,
+    )
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in answer.text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
+def test_a_run_worker_killed_mid_episode_is_resumed_from_its_last_saved_turn(
+    client: RolloutClient, stack: Stack
+) -> None:
+    job_id = client.submit_rollout(
+        TASK, sampling={"seed": 0, "max_tokens": 128}, agent={"max_turns": CALLS + 2}
+    )
+    assert isinstance(job_id, str)
+    r = redis.Redis.from_url(stack.redis_url)
+
+    def between_turns() -> bool:
+        """Half the calls' replies saved, and the next call on the engine."""
+        turns = client.get_rollout(job_id).turns
+        replies = sum(isinstance(t, EnvTurn) for t in turns)
+        return (
+            replies >= CALLS // 2
+            and isinstance(turns[-1], EnvTurn)
+            and requests_in_flight(stack) >= 1
+        )
+
+    wait_until(between_turns, 120, "the episode half done, a model call in flight")
+    saved = client.get_rollout(job_id)
+    holder = holder_pid(job_fields(r, job_id))
+    [victim] = [n for n in stack.worker_names if stack.children[n].pid == holder]
+    stack.kill_worker(victim, signal.SIGKILL)
+    stack.wait_worker(stack.start_worker("run", 1))
+
+    wait_until(lambda: client.get_rollout(job_id).status.terminal, 180, "the job to end")
+    traj = client.get_rollout(job_id)
+    assert isinstance(traj, Trajectory)
+    assert traj.status is JobStatus.completed, traj.error
+    assert traj.reward == 1.0  # each line once: no tool call ran twice
+    assert traj.stop_reason == "finish"
+    [resume] = traj.resumes
+    assert resume.attempt == 1 and resume.dropped_turns == 0
+    assert resume.turn == len(saved.turns)
+    assert resume.reprefill_ids == len(saved.prompt_ids) + len(saved.response_ids)
+    # The saved turns are kept as they were, and the episode has every call once.
+    assert [t.model_dump() for t in traj.turns[: len(saved.turns)]] == [
+        t.model_dump() for t in saved.turns
+    ]
+    assert sum(isinstance(t, ModelTurn) for t in traj.turns) == CALLS + 1
+    assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.logprobs)
+    assert all(b.in_flight == 0 for b in client.list_backends())
