@@ -166,6 +166,15 @@ class Backend(BaseModel):
     its `/v1/models`); None when unknown (not reported, or registered with `verify=false`)."""
     api_key: str | None = Field(default=None, exclude=True, repr=False)
     """The server's bearer token, for the workers' requests; never serialised."""
+    weights_path: str | None = None
+    """The checkpoint its last weight update loaded (None: the weights it was started with).
+    An engine that restarts is loaded with it again before it takes work."""
+    started_at: float | None = None
+    """When the engine's process started, as its `/metrics` says
+    (`process_start_time_seconds`); a new value means it restarted."""
+    note: str | None = None
+    """Why the service drained it on its own (an engine that restarted and is being loaded
+    with its weights again, or could not be), until it takes work again."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property

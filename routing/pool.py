@@ -252,6 +252,19 @@ return 1
 """
 )
 
+# ARGV: prefix, id, start time. Records when the backend's engine started; returns
+# {registered 0/1, the start time recorded before ('' for none)}.
+_NOTE_STARTED = (
+    _PRELUDE
+    + """
+local id = ARGV[2]
+if not redis.call('HGET', epochs, id) then return {0, ''} end
+local before = redis.call('HGET', bkey(id), 'started_at') or ''
+redis.call('HSET', bkey(id), 'started_at', ARGV[3])
+return {1, before}
+"""
+)
+
 # ARGV: prefix, id, ok ('1'/'0'), threshold. A success clears the failures and re-admits; a
 # failure counts, and the threshold-th in a row takes the backend out. Returns
 # {registered 0/1, healthy before, healthy after}.
@@ -383,6 +396,7 @@ class BackendPool:
         self._route = client.register_script(_ROUTE)
         self._release = client.register_script(_RELEASE)
         self._set = client.register_script(_SET)
+        self._note_started = client.register_script(_NOTE_STARTED)
         self._health = client.register_script(_HEALTH)
         self._reconcile = client.register_script(_RECONCILE)
         self._versions = client.register_script(_VERSIONS)
@@ -526,6 +540,9 @@ class BackendPool:
                 "registered_at": float(data.get("registered_at", 0.0)),
                 "max_model_len": int(context) if context else None,
                 "api_key": data.get("api_key") or None,
+                "weights_path": data.get("weights_path") or None,
+                "started_at": float(data["started_at"]) if data.get("started_at") else None,
+                "note": data.get("note") or None,
             }
         )
 
@@ -614,14 +631,36 @@ class BackendPool:
         False for an unknown id."""
         return self._set_field(backend_id, "draining", "1")
 
-    def resume(self, backend_id: str, policy_version: int | None = None) -> bool:
-        """Take work again (optionally announcing the weights it now holds). False for an
-        unknown id."""
+    def resume(
+        self,
+        backend_id: str,
+        policy_version: int | None = None,
+        weights_path: str | None = None,
+    ) -> bool:
+        """Take work again (optionally announcing the weights it now holds, and the
+        checkpoint they were loaded from). False for an unknown id."""
         if policy_version is not None and not self._set_field(
             backend_id, "policy_version", str(policy_version)
         ):
             return False
+        if weights_path is not None and not self._set_field(
+            backend_id, "weights_path", weights_path
+        ):
+            return False
+        self._set_field(backend_id, "note", "")
         return self._set_field(backend_id, "draining", "0")
+
+    def note(self, backend_id: str, why: str) -> bool:
+        """Say why the service drained the backend on its own (shown until it resumes)."""
+        return self._set_field(backend_id, "note", why)
+
+    def note_started(self, backend_id: str, started_at: float) -> float | None:
+        """Record when the backend's engine started; returns the time recorded before (None
+        when none was, or the id is unknown). One caller sees each change: the script reads
+        and writes at once."""
+        _registered, before = self._note_started(args=[self.prefix, backend_id, repr(started_at)])
+        text = _text(before)
+        return float(text) if text else None
 
     def mark_dead(self, backend_id: str) -> bool:
         """Take a backend out of rotation at once (a request was lost with it); the health

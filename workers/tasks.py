@@ -19,6 +19,7 @@ from broker.celery_app import node_queue
 from broker.jobstore import JobNotFound
 from core.schemas import JobStatus, StageError
 from routing.health import sweep, take_turn
+from routing.restarts import engine_started
 from sandbox.base import SandboxSecurityError
 from sandbox.reaper import reap
 from workers import boxreport, liveness, stages
@@ -182,7 +183,7 @@ def watch_backends_forever(interval: float) -> None:
             rt = get_runtime()
             lock = f"{rt.settings.key_prefix}pool:sweep-lock"
             if take_turn(rt.pool.client, lock, owner, interval):
-                sweep(rt.pool, rt.store.live)
+                sweep(rt.pool, rt.store.live, started_of=engine_started)
         except Exception:
             log.exception("backend health sweep failed; trying again in %.0fs", interval)
 

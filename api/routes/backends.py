@@ -287,7 +287,7 @@ async def update_one(
         )
     except WeightUpdateError as exc:
         return failed(str(exc))
-    if not await asyncio.to_thread(pool.resume, backend_id, body.policy_version):
+    if not await asyncio.to_thread(pool.resume, backend_id, body.policy_version, body.model_path):
         return failed("it was removed during the update (after loading)")
     return BackendWeightUpdate(
         id=backend_id,

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 BLOCK_SIZE = 16
 """Ids per KV-cache block (vLLM's default block size)."""
@@ -77,6 +84,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        # As vLLM's (the default registry's): `process_start_time_seconds` and the rest.
+        ProcessCollector(registry=self.registry)
         labels = ["model_name", "engine"]
         self._labels = {"model_name": model_name, "engine": "0"}
         self.prefix_cache = PrefixCache()

@@ -62,6 +62,7 @@ def test_every_backend_is_drained_loaded_and_resumed_with_the_version(
     assert done.total_seconds >= done.drain_seconds + done.load_seconds
     backend = http.get("/v1/backends/dev").json()
     assert (backend["state"], backend["policy_version"]) == ("healthy", 2)
+    assert backend["weights_path"] == str(weight_dirs.perturbed)  # loaded again on a restart
     assert served_path(server) == str(weight_dirs.perturbed)
     # The async twin, naming the backend.
     again = asyncio.run(update_async(gateway, str(weight_dirs.perturbed_again), 3, ["dev"]))

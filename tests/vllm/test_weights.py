@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from api.client import RolloutClient
 from core.schemas import Backend, JobStatus, ModelTurn
 from deploy.stack import Stack
+from routing.restarts import engine_started
 from routing.weights import WeightUpdateError, load_weights
 from tests.support.wait import wait_until
 from tests.support.weights import WeightDirs, max_diff, teacher_forced
@@ -153,3 +155,13 @@ def test_the_gateway_switches_the_weights_mid_job_and_later_turns_record_the_ver
 def sequence_logprobs(model_dir: Any, ids: list[int]) -> list[float]:
     """Logprob of each id of `ids` given those before it (0.0 for the first), in float32."""
     return [0.0, *teacher_forced(model_dir, ids[:1], ids[1:])]
+
+
+def test_vllm_says_when_its_process_started(vllm_server: VllmServer) -> None:
+    # What the health sweep reads to tell a restarted engine (routing.restarts): a restart
+    # of the real server is the development server's end-to-end test
+    # (tests/e2e/test_engine_restart.py); here, that vLLM offers the reading it relies on.
+    started = engine_started(as_backend(vllm_server))
+    assert started is not None
+    assert time.time() - 3600 < started < time.time() - vllm_server.ready_seconds + 60
+    assert engine_started(as_backend(vllm_server)) == started
