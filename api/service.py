@@ -161,6 +161,8 @@ def resolve_agent(agent: AgentParams, settings: Settings) -> dict[str, Any]:
         resolved["on_stale"] = agent.on_stale or "rerun"
     if agent.command is not None:
         resolved["command"] = agent.command
+    if agent.compaction is not None:
+        resolved["compaction"] = agent.compaction.model_dump()
     return resolved
 
 

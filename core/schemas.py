@@ -91,6 +91,34 @@ class SamplingParams(BaseModel):
         return value
 
 
+DEFAULT_SUMMARY_INSTRUCTION = (
+    "Your context is nearly full. Summarise your progress on the task so far: what you "
+    "found, what you changed, what is left to do and anything you must not forget. Write "
+    "only the summary; it will replace the conversation before your most recent turns."
+)
+"""What the policy is asked when its context passes `Compaction.threshold`."""
+
+
+class Compaction(BaseModel):
+    """Context compaction in the built-in agent loop: when the sequence the next model call
+    would get passes `threshold` tokens, the policy itself first writes a summary (a model
+    call, trained on); the episode then goes on from [the task's first messages, the summary,
+    the `keep_turns` most recent turns] as a new segment of the same trajectory (reason
+    `compaction`), every id of it exact."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    threshold: int = Field(ge=32, le=MAX_TOKENS)
+    """Tokens: the sequence length past which the next call first compacts."""
+    keep_turns: int = Field(default=2, ge=0, le=100)
+    """Most recent model turns (with the replies to them) kept verbatim after the summary;
+    fewer when they would not fit under `threshold`."""
+    instruction: Text = Field(default=DEFAULT_SUMMARY_INSTRUCTION, min_length=1, max_length=16_384)
+    """What the policy is asked, as a user message after the conversation."""
+    max_summary_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS)
+    """Most tokens of the summary."""
+
+
 class AgentParams(BaseModel):
     """Limits of the agent loop."""
 
@@ -122,6 +150,19 @@ class AgentParams(BaseModel):
     own endpoint and `ROLLSERVE_INSTRUCTION_FILE` naming a file with the task's
     instruction. Its exit ends RUN; the task's grader runs as usual. Only for tasks whose
     handler runs a sandbox."""
+    compaction: Compaction | None = None
+    """Compact the context by a summary the policy writes (see `Compaction`); None: an
+    episode whose context fills ends `context_length`. Only for the built-in agent loop
+    (not with `command`)."""
+
+    @model_validator(mode="after")
+    def _compaction_in_the_built_in_loop(self) -> AgentParams:
+        if self.compaction is not None and self.command is not None:
+            raise ValueError(
+                "agent.compaction applies to the built-in agent loop; a harness of your own "
+                "(agent.command) compacts its history itself"
+            )
+        return self
 
 
 class RolloutRequest(BaseModel):
@@ -154,6 +195,10 @@ class SessionRequest(BaseModel):
     def _no_command(cls, value: AgentParams) -> AgentParams:
         if value.command is not None:
             raise ValueError("a session's harness is the caller's own: leave out agent.command")
+        if value.compaction is not None:
+            raise ValueError(
+                "a session's history is the caller's own to compact: leave out agent.compaction"
+            )
         return value
 
 
@@ -303,6 +348,8 @@ SEGMENT_REASONS = {
     "retried": "the harness sent its previous request again instead of continuing it",
     "rerendered": "the chat template renders the conversation differently from the ids "
     "generated so far",
+    "compaction": "the context passed agent.compaction's threshold: the policy summarised the "
+    "episode, which goes on from the task, the summary and the most recent turns",
 }
 """Why a segment begins, by name: the value says what happened."""
 

@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from core.schemas import ModelTurn
+from core.schemas import Compaction, ModelTurn
 from routing.protocol import Completion, KnowsRefusedIds, PolicyClient
 from routing.vllm import OutOfVocabularyError
 from sandbox.base import SandboxSecurityError
+from workers.compaction import COMPACTION, Compactor
 from workers.conversation import Conversation, Templater
 from workers.handlers.base import Handler
 from workers.resume import Restored
@@ -80,6 +81,7 @@ async def run_episode(
     on_turn: Callable[[TrajectoryBuilder], Awaitable[object] | None] = lambda _b: None,
     runner: ToolRunner | None = None,
     restored: Restored | None = None,
+    compaction: Compaction | None = None,
 ) -> Episode:
     """Run the multi-turn loop until an answer, `max_turns`, a budget or the context ends it.
 
@@ -96,7 +98,9 @@ async def run_episode(
     `on_turn` sees the builder after every turn, so a partial trajectory can be saved (what
     it returns is awaited when awaitable: a save made on a thread). With `restored` (the
     state at an earlier worker's last saved turn, `workers.resume`), the loop goes on from
-    there instead of the first call.
+    there instead of the first call. With `compaction`, a sequence past its threshold is
+    first summarised by the policy and the episode goes on in a new segment
+    (`workers.compaction`); the summary calls do not count against `max_turns`.
     """
     declared = {t.get("function", t).get("name") for t in tools or []}
     context = await policy.max_model_len()
@@ -111,6 +115,7 @@ async def run_episode(
         first, pending = restored.first_turn, restored.pending
     builder = conversation.builder
     assert builder is not None
+    compactor = None if compaction is None else Compactor(compaction, list(messages))
     try:
         _fits(builder, context, limits)
         for turn in range(first, limits.max_turns):
@@ -148,13 +153,61 @@ async def run_episode(
                 break
             messages = [*messages, reply, *replies]
             observation = await conversation.plan(messages, tools)
-            _fits(builder, context, limits, more=len(observation.ids))
-            conversation.commit(observation, messages, tools, time.perf_counter() - step_started)
+            if compactor is not None:
+                compactor.note([reply, *replies])
+            if compactor is not None and compactor.due(builder, len(observation.ids)):
+                messages = await _compact(
+                    compactor, conversation, builder, messages, tools, policy, limits, context,
+                    on_turn, time.perf_counter() - step_started,
+                )  # fmt: skip
+            else:
+                _fits(builder, context, limits, more=len(observation.ids))
+                conversation.commit(
+                    observation, messages, tools, time.perf_counter() - step_started
+                )
             model_turn.turn_seconds = time.perf_counter() - turn_started
             await _saved(on_turn(builder))
     except _Stop as stop:
         return Episode(builder, stop.reason, stop.truncated)
     return Episode(builder, "max_turns", truncated=False)
+
+
+async def _compact(
+    compactor: Compactor,
+    conversation: Conversation,
+    builder: TrajectoryBuilder,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    policy: PolicyClient,
+    limits: Limits,
+    context: int,
+    on_turn: Callable[[TrajectoryBuilder], Awaitable[object] | None],
+    tool_seconds: float,
+) -> list[dict[str, Any]]:
+    """Instead of the last turn's replies alone, append them with the summary instruction and
+    ask the policy for a summary (a model turn like any other, trained on); then begin a
+    segment from the task's first messages, the summary and the most recent turns. Returns
+    the messages the episode goes on from."""
+    plan = compactor.plan
+    ask = [*messages, {"role": "user", "content": plan.instruction}]
+    request = await conversation.plan(ask, tools)
+    _fits(builder, context, limits, more=len(request.ids) + 1)
+    conversation.commit(request, ask, tools, tool_seconds)
+    max_tokens = min(plan.max_summary_tokens, _next_call(builder, context, limits, policy, 1))
+    started = time.perf_counter()
+    completion = await _call(policy, builder, limits, max_tokens)
+    reply = {"role": "assistant", "content": completion.text}
+    conversation.record(completion, reply, llm_seconds=time.perf_counter() - started)
+    await _saved(on_turn(builder))
+    for fresh in compactor.candidates(completion.text):
+        prompt = await conversation.plan(fresh, tools, segment=COMPACTION)
+        if len(prompt.ids) < plan.threshold:
+            break
+    if len(prompt.ids) >= context:
+        raise _Stop("context_length", truncated=True)
+    conversation.commit(prompt, fresh, tools)
+    compactor.compacted()
+    return fresh
 
 
 def _fits(builder: TrajectoryBuilder, context: int, limits: Limits, more: int = 0) -> None:

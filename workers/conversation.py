@@ -132,12 +132,18 @@ class Conversation:
         return 0 if self.builder is None else self.builder.sequence_length
 
     async def plan(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        segment: str | None = None,
     ) -> Prompt:
         """The ids the call asked with `messages` and `tools` adds (see the module docstring);
-        nothing is recorded until `commit`."""
+        nothing is recorded until `commit`. With `segment`, the call begins a new segment for
+        that reason, its whole prompt rendered (the loop's own compaction)."""
         if self.builder is None or self.reply is None:
             return Prompt(await self.templater.prompt_ids(messages, tools), "start")
+        if segment is not None:
+            return Prompt(await self.templater.prompt_ids(messages, tools), segment)
         why = self._divergence(messages, tools)
         if why is None:
             new = messages[len(self.messages) + 1 :]

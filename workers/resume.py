@@ -14,7 +14,8 @@ again.
 The chat messages are rebuilt from the saved texts, each environment reply as one message (a
 turn's tool results joined, as its saved text has them). Messages are rendered only when the
 template cannot continue the sequence, and that starts a new segment: the ids trained on stay
-exactly the ids the model saw. An episode that began a segment of its own is not resumed.
+exactly the ids the model saw. An episode that began a segment of its own (a rerendered
+conversation, or `agent.compaction`'s summary) is not resumed: it starts again.
 """
 
 from __future__ import annotations

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from broker.jobstore import JobRecord
-from core.schemas import MAX_STALE_RERUNS, TERMINAL_STATUSES, JobStatus, StageError, Trajectory
+from core.schemas import (
+    MAX_STALE_RERUNS,
+    TERMINAL_STATUSES,
+    Compaction,
+    JobStatus,
+    StageError,
+    Trajectory,
+)
 from sandbox.egress import read_events
 from sandbox.harnesses import harness_env_bind, harness_env_ready
 from sandbox.keeper import is_kept, launch
@@ -102,6 +109,12 @@ def start_sandbox(rt: Runtime, job_id: str, record: JobRecord, handler: Handler)
     rt.store.pin(job_id, rt.settings.node_name)
     with ToolClient(kept.socket_path, timeout=rt.settings.tool_timeout) as tools:
         handler.prepare(record.task, tools)
+
+
+def compaction_of(record: JobRecord) -> Compaction | None:
+    """The job's `agent.compaction`, if it asked for one."""
+    plan = record.agent.get("compaction")
+    return None if plan is None else Compaction.model_validate(plan)
 
 
 def limits_for(record: JobRecord, tool_timeout: float = 120.0) -> Limits:
@@ -312,6 +325,7 @@ async def _episode_with_tools(
             on_turn=save,
             runner=runner,
             restored=restored,
+            compaction=compaction_of(record),
         )
     finally:
         if runner is not None:

@@ -54,10 +54,13 @@ def start_stack(
     script: list[dict[str, Any]] | None = None,
     workers: dict[str, int] | None = None,
     run_jobs: int = 0,
+    dev_args: list[str] | None = None,
     **settings: Any,
 ) -> Stack:
     """A started stack; with `run_jobs` > 0 its RUN worker holds that many jobs on one event
-    loop (`rollserve worker run --jobs N`) instead of prefork processes."""
+    loop (`rollserve worker run --jobs N`) instead of prefork processes. Without a `script`
+    the development server samples from the tiny model itself; `dev_args` are more of its
+    command-line options (`--max-model-len 1024`)."""
     script_path = None
     if script is not None:
         script_path = data_dir / "script.jsonl"
@@ -70,7 +73,9 @@ def start_stack(
     config = Settings(data_dir=data_dir, port=free_port(), **{**FAST_LIMITS, **settings})
     options = StackOptions(
         workers=workers or {"init": 1, "run": 2, "eval": 1},
-        dev_backend=DevBackendOptions(model_dir=model_dir, script=script_path),
+        dev_backend=DevBackendOptions(
+            model_dir=model_dir, script=script_path, extra_args=list(dev_args or [])
+        ),
         run_jobs=run_jobs,
     )
     return Stack(config, options).start()

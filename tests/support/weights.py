@@ -3,6 +3,7 @@ architecture), one of another shape, and a float32 teacher-forced recomputation.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass
@@ -63,12 +64,19 @@ def weight_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     )
 
 
-def teacher_forced(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
-    """Logprobs of `output` after `prompt` under the model in `model_dir`, in float32."""
+@functools.lru_cache(maxsize=2)
+def _float32_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def teacher_forced(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
+    """Logprobs of `output` after `prompt` under the model in `model_dir`, in float32."""
+    import torch
+
+    model = _float32_model(Path(model_dir))
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
