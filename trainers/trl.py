@@ -52,8 +52,9 @@ reward and advantage; its later segments are not trained (a warning counts them,
 field `rollserve_segments` gives each completion's number of segments). veRL's V1 trainer and
 SkyRL's step-wise mode train every segment (`trainers.verl`, `trainers.skyrl`).
 
-The trainer's new weights are not sent to the inference servers: the servers behind rollserve
-must be updated by the training loop itself (drain, load, resume with a `policy_version`); each
+The trainer's new weights reach the inference servers through the callback of
+`trainers.trl_weights` (saved, then `update_weights` with the step as the policy version), or
+by the training loop itself (drain, load, resume with a `policy_version`); each
 completion's `rollserve_policy_version` says which weights generated it.
 """
 
