@@ -35,12 +35,12 @@ def test_episodes_several_contexts_long_compact_into_exact_segments(
     client: RolloutClient, tiny_model_dir: Path
 ) -> None:
     # The random tiny model never states an answer: each turn is 64 sampled ids and a reminder,
-    # and the episode runs all its 16 turns, compacting whenever it passes 300 ids.
+    # and the episode runs all its 12 turns, compacting whenever it passes 300 ids.
     compaction = {"threshold": 300, "keep_turns": 1, "max_summary_tokens": 48}
     traj = client.submit_rollout(
         TASK,
         sampling={"seed": 7, "max_tokens": 64, "temperature": 1.0},
-        agent={"max_turns": 16, "max_total_tokens": 100_000, "compaction": compaction},
+        agent={"max_turns": 12, "max_total_tokens": 100_000, "compaction": compaction},
         wait=True,
         timeout=600,
     )

@@ -24,7 +24,7 @@ def test_a_long_episode_compacts_into_exact_segments_on_vllm(
     # One API: compaction is the agent loop's, the same through either.
     api = "completions"
     task = {"data_source": "math", "instance_id": f"long-{api}", "problem": "2+2?", "answer": "4"}
-    compaction = {"threshold": 900, "keep_turns": 1, "max_summary_tokens": 64}
+    compaction = {"threshold": 640, "keep_turns": 2, "max_summary_tokens": 64}
     with (
         registered(stack, vllm_server.url, vllm_server.model, api=api, backend_id=f"c-{api}"),
         RolloutClient(stack.gateway_url, timeout=60) as client,
@@ -32,7 +32,7 @@ def test_a_long_episode_compacts_into_exact_segments_on_vllm(
         traj = client.submit_rollout(
             task,
             sampling={"seed": 11, "max_tokens": 128, "temperature": 1.0},
-            agent={"max_turns": 20, "max_total_tokens": 100_000, "compaction": compaction},
+            agent={"max_turns": 16, "max_total_tokens": 100_000, "compaction": compaction},
             wait=True,
             timeout=900,
         )

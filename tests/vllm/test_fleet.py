@@ -1,34 +1,30 @@
 """The fleet on real engines: a weight update (drain, then resume with a new policy version)
-in the middle of a job, and a second vLLM server killed mid-batch."""
+in the middle of a job, and a second server killed mid-batch while the real vLLM carries the
+jobs it stranded (the second is the development server: it speaks vLLM's API, and the session
+starts one vLLM)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from api.client import RolloutClient
-from broker.processes import free_port, spawn, stop_group
 from core.schemas import JobStatus, ModelTurn, Trajectory
-from deploy.engine import vllm_argv, vllm_env, wait_served
 from deploy.stack import Stack
-from deploy.vllm_env import VllmStatus
 from routing.pool import BackendPool
+from tests.support.devserver import DevBackend
 from tests.support.wait import wait_until
 from tests.vllm.conftest import (
-    READY_TIMEOUT,
     SHELL_TASK,
     VllmServer,
     engine_metrics,
     registered,
-    warm_up,
 )
 
 pytestmark = pytest.mark.vllm
@@ -91,22 +87,15 @@ def test_a_weight_update_mid_job_waits_then_records_the_new_version(
 
 @pytest.fixture(scope="module")
 def second_server(
-    vllm_install: VllmStatus, vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+    vllm_server: VllmServer, devserver_factory: Callable[..., DevBackend]
 ) -> Iterator[tuple[str, int]]:
-    """A second vLLM serving the same model (no logits processor); yields its URL and process
-    group. The test kills it; stopping it here is for a failed test."""
-    scratch = tmp_path_factory.mktemp("vllm-second")
-    port = free_port()
-    log = scratch / "vllm.log"
-    argv = vllm_argv(vllm_install, vllm_server.model_dir, port, vllm_server.model)
-    proc = spawn(argv, env=vllm_env(scratch / "run"), log_path=str(log))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_served(url, proc, Path(log), READY_TIMEOUT)
-        asyncio.run(warm_up(url, vllm_server.model))
-        yield url, proc.pid
-    finally:
-        stop_group(proc, timeout=30)
+    """A second server of the same model beside the real vLLM: the development server
+    sampling from the tiny model (vLLM's API, its own process group), so the session starts
+    one vLLM only. Yields its URL and process group; the test kills it."""
+    backend = devserver_factory(
+        "fleet-second", args=["--served-model-name", vllm_server.model, "--max-model-len", "2048"]
+    )
+    yield backend.url, backend.proc.pid
 
 
 def stranded_mid_episode(group: int, mid_episode: Callable[[], set[str]]) -> set[str]:

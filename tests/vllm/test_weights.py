@@ -160,7 +160,7 @@ def sequence_logprobs(model_dir: Any, ids: list[int]) -> list[float]:
 def test_vllm_says_when_its_process_started(vllm_server: VllmServer) -> None:
     # What the health sweep reads to tell a restarted engine (routing.restarts): a restart
     # of the real server is the development server's end-to-end test
-    # (tests/e2e/test_engine_restart.py); here, that vLLM offers the reading it relies on.
+    # (tests/e2e/test_survival.py); here, that vLLM offers the reading it relies on.
     started = engine_started(as_backend(vllm_server))
     assert started is not None
     assert time.time() - 3600 < started < time.time() - vllm_server.ready_seconds + 60

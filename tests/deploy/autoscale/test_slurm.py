@@ -3,6 +3,7 @@ cluster (munged, slurmctld, slurmd on localhost; `tests/support/slurm.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import subprocess
 import sys
@@ -123,6 +124,15 @@ def test_the_stack_and_worker_array_recipes_serve_and_register(
         assert set(nodes) <= set(store.nodes())
         client.close()
     finally:
+        # The workers first, while their broker (the stack's Redis) is up: a worker whose
+        # broker went away first keeps trying to reach it for minutes before it exits.
         slurm_cluster.run("scancel", "--batch", "--signal=TERM", workers, check=False)
+        with contextlib.suppress(AssertionError):
+            wait_until(
+                lambda: not any(i.split("_")[0] == workers for i in squeue_ids(slurm_cluster)),
+                60,
+                "the worker array to stop",
+            )
+        slurm_cluster.run("scancel", workers, check=False)  # what is left: TERM, then KILL
         slurm_cluster.run("scancel", stack, check=False)
     wait_until(lambda: squeue_ids(slurm_cluster) == [], 90, "the recipe jobs to end")

@@ -1,13 +1,21 @@
-"""A long episode survives its RUN worker, end to end: the worker is SIGKILLed while the
-engine answers a model call in the middle of a multi-turn episode in a bubblewrap box; the
-sweeper hands RUN to a fresh worker on the same node, which goes on from the last saved turn
-in the same box. No saved call is made again and no tool call runs twice: every line the
-episode's bash calls append to a file is there exactly once, and the trajectory says where it
-was resumed."""
+"""What a long run survives, end to end on one stack:
+
+- its RUN worker SIGKILLed while the engine answers a model call in the middle of a multi-turn
+  episode in a bubblewrap box: the sweeper hands RUN to a fresh worker on the same node, which
+  goes on from the last saved turn in the same box. No saved call is made again and no tool
+  call runs twice (every line the episode's bash calls append to a file is there once), and
+  the trajectory says where it was resumed;
+- its inference server restarting after a weight update: the stack's supervisor restarts the
+  SIGKILLed development server (with the weights it was started with); the workers' health
+  sweep sees its new start time, holds it out, loads the update's checkpoint again, and only
+  then lets it work. The next job carries the update's policy version and exactly the
+  logprobs of the updated weights.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -22,13 +30,13 @@ from deploy.stack import Stack
 from tests.e2e.test_recovery import holder_pid, job_fields
 from tests.support.swe import bwrap_problem
 from tests.support.wait import wait_until
+from tests.support.weights import WeightDirs
 
-pytestmark = [
-    pytest.mark.full,
-    pytest.mark.skipif(
-        bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
-    ),
-]
+pytestmark = pytest.mark.full
+
+needs_bwrap = pytest.mark.skipif(
+    bwrap_problem() is not None, reason=str(bwrap_problem() or "bubblewrap works")
+)
 
 CALLS = 8
 """Bash calls of the episode, each appending its number to /workspace/log.txt; then finish."""
@@ -41,6 +49,7 @@ def call(name: str, **arguments: object) -> str:
 
 
 SCRIPT = [
+    {"match": "RESTART", "samples": [["It is \\boxed{4}."]]},
     {
         "match": "RESUME-LOG",
         "samples": [
@@ -48,7 +57,7 @@ SCRIPT = [
             + [call("finish", result="logged")]
         ],
         "delay": DELAY,
-    }
+    },
 ]
 TASK = {
     "data_source": "shell",
@@ -64,10 +73,11 @@ def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]
         "script": SCRIPT,
         "workers": {"init": 1, "run": 1, "eval": 1},
         "sandbox_dir": data / "sandboxes",
-        "sandbox_backend": "bwrap",
+        "sandbox_backend": "bwrap" if bwrap_problem() is None else "local",
         "run_soft_time_limit": 120.0,
         "run_time_limit": 130.0,
         "visibility_timeout": 900.0,  # only the sweeper's takeover brings RUN back in time
+        "health_interval": 1.0,  # a restarted engine is seen within a second
     }
 
 
@@ -84,6 +94,7 @@ def requests_in_flight(stack: Stack) -> float:
     )
 
 
+@needs_bwrap
 def test_a_run_worker_killed_mid_episode_is_resumed_from_its_last_saved_turn(
     client: RolloutClient, stack: Stack
 ) -> None:
@@ -127,3 +138,47 @@ def test_a_run_worker_killed_mid_episode_is_resumed_from_its_last_saved_turn(
     assert sum(isinstance(t, ModelTurn) for t in traj.turns) == CALLS + 1
     assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.logprobs)
     assert all(b.in_flight == 0 for b in client.list_backends())
+
+
+RESTART_TASK = {
+    "data_source": "math",
+    "instance_id": "r",
+    "problem": "RESTART: 2+2?",
+    "answer": "4",
+}
+
+
+def logprobs_of(client: RolloutClient) -> tuple[int | None, list[float]]:
+    traj = client.submit_rollout(RESTART_TASK, sampling={"seed": 0}, wait=True, timeout=120)
+    assert isinstance(traj, Trajectory) and traj.status is JobStatus.completed, traj
+    turn = traj.turns[0]
+    assert isinstance(turn, ModelTurn)
+    return turn.policy_version, turn.logprobs
+
+
+def test_a_restarted_engine_is_loaded_with_its_last_weights_before_it_serves(
+    client: RolloutClient, stack: Stack, weight_dirs: WeightDirs
+) -> None:
+    _, original = logprobs_of(client)
+    report = client.update_weights(str(weight_dirs.perturbed), policy_version=2)
+    assert report.ok, report.error
+    version, updated = logprobs_of(client)
+    assert version == 2 and updated != original  # the weights decide the logprobs
+    [backend] = client.list_backends()
+    assert backend.weights_path == str(weight_dirs.perturbed)
+    wait_until(
+        lambda: client.list_backends()[0].started_at is not None, 30, "a sweep to see its start"
+    )
+    first_start = client.list_backends()[0].started_at
+
+    # The supervisor restarts the server on the same port, with its first weights.
+    os.killpg(stack.children["dev-backend"].pid, signal.SIGKILL)
+
+    def reloaded() -> bool:
+        now = client.list_backends()[0]
+        return now.started_at != first_start and now.state == "healthy" and now.note is None
+
+    wait_until(reloaded, 120, "the restarted server to be loaded again and re-admitted")
+    version, again = logprobs_of(client)
+    assert version == 2
+    assert again == updated
