@@ -104,6 +104,8 @@ async def run_episode(
     """
     declared = {t.get("function", t).get("name") for t in tools or []}
     context = await policy.max_model_len()
+    # The task's first messages begin every compacted segment (also after a resume).
+    compactor = None if compaction is None else Compactor(compaction, list(messages))
     pending: ModelTurn | None = None
     if restored is None:
         conversation = Conversation(templater)
@@ -111,11 +113,11 @@ async def run_episode(
         conversation.commit(await conversation.plan(messages, tools), messages, tools)
         first = 0
     else:
-        conversation, messages = restored.conversation, list(restored.messages)
+        conversation = restored.conversation(templater, tools)
+        messages = list(restored.messages)
         first, pending = restored.first_turn, restored.pending
     builder = conversation.builder
     assert builder is not None
-    compactor = None if compaction is None else Compactor(compaction, list(messages))
     try:
         _fits(builder, context, limits)
         for turn in range(first, limits.max_turns):
@@ -138,7 +140,7 @@ async def run_episode(
                 # A saved call whose reply was not (workers.resume): read again, not made again.
                 model_turn, pending, max_tokens = pending, None, limits.max_tokens
                 parsed = parse_tool_calls(model_turn.text) if tools else ParsedCalls()
-                reply = conversation.reply or {"role": "assistant", "content": model_turn.text}
+                reply = restored.reply if restored is not None else {}
             step_started = time.perf_counter()
             try:
                 _cut_by_bounds(model_turn, builder, context, limits, max_tokens)

@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 class Restored:
     """The agent loop's state at its last saved turn."""
 
-    conversation: Conversation
+    builder: TrajectoryBuilder
+    reply: dict[str, Any]
+    """The last saved call's answer, as the assistant message the conversation continues."""
     messages: list[dict[str, Any]]
     """The messages the loop goes on from: the last call's, with the reply to it when one
     was saved."""
@@ -48,12 +50,17 @@ class Restored:
     stored: Trajectory
     """The trajectory as it was saved."""
 
+    def conversation(
+        self, templater: Templater, tools: list[dict[str, Any]] | None
+    ) -> Conversation:
+        """The conversation that recorded the saved turns, going on with `templater`."""
+        return Conversation.restored(templater, self.builder, self.messages, tools, self.reply)
+
 
 def restore(
     stored: Trajectory,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
-    templater: Templater,
     attempt: int = 0,
 ) -> Restored | None:
     """The loop's state after the turns of `stored` (an episode begun with `messages` and
@@ -92,11 +99,11 @@ def restore(
         )
         history = [*history, reply, {"role": "tool" if answered_calls else "user",
                                      "content": turn.text}]  # fmt: skip
-    conversation = Conversation.restored(templater, builder, history, tools, reply)
     pending = turns[-1] if isinstance(turns[-1], ModelTurn) else None
     calls = builder.model_turns
     return Restored(
-        conversation=conversation,
+        builder=builder,
+        reply=reply,
         messages=history,
         first_turn=calls - 1 if pending is not None else calls,
         pending=pending,

@@ -244,7 +244,7 @@ def _run_episode(
     restored: Restored | None = None
     if saved is not None and record.context is not None:
         restored = restore(
-            saved, record.context["messages"], record.context.get("tools"), routed, record.attempt
+            saved, record.context["messages"], record.context.get("tools"), record.attempt
         )
     if restored is not None:
         trajectory.stale_reruns = saved.stale_reruns if saved is not None else reruns

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from core.flatten import sequences
 from core.schemas import Compaction, ModelTurn, Trajectory
 from tests.support.segments import total_ids
 from tests.workers.test_agent_loop import (
@@ -19,9 +20,11 @@ from tests.workers.test_agent_loop import (
     Say,
     limits,
 )
+from tests.workers.test_resume import snapshot
 from workers.agent import Episode, run_episode
 from workers.compaction import COMPACTION, SUMMARY_PREFIX
 from workers.handlers.math import MathHandler
+from workers.resume import Restored, restore
 
 pytestmark = pytest.mark.compaction
 
@@ -151,3 +154,42 @@ def test_compaction_is_refused_with_a_harness_of_ones_own() -> None:
         SessionRequest.model_validate(
             {"task": MATH_TASK, "agent": {"compaction": {"threshold": 64}}}
         )
+
+
+async def test_an_episode_resumed_before_it_compacts_compacts_as_one_run_would() -> None:
+    handler = MathHandler()
+    first, tools = handler.initial_messages(MATH_TASK), handler.tools(MATH_TASK)
+    plan = small(threshold=15, keep_turns=1, instruction="Summarise.", max_summary_tokens=512)
+    script = [*THINK[:2], SUMMARY, ANSWER]
+
+    async def play(
+        said: list[Say], restored: Restored | None, saves: list[Trajectory] | None = None
+    ) -> tuple[Episode, FakeTemplater]:
+        templater = FakeTemplater()
+        if restored is not None:
+            templater._next += 3 * sum(t.type == "env" for t in restored.stored.turns)
+        episode = await run_episode(
+            handler, MATH_TASK, first, tools, FakePolicy(said), templater, limits(max_turns=10),
+            on_turn=lambda b: None if saves is None else saves.append(snapshot(b)),
+            restored=restored, compaction=plan,
+        )  # fmt: skip
+        return episode, templater
+
+    saves: list[Trajectory] = []
+    whole, _ = await play(script, None, saves)
+    # Saved after the first turn's reply; the worker died during the second call.
+    saved = saves[1]
+    restored = restore(saved, first, tools, attempt=1)
+    assert restored is not None and restored.first_turn == 1
+    resumed, templater = await play(script[1:], restored)
+
+    def ids(episode: Episode) -> list[tuple[Any, ...]]:
+        return [
+            (s.reason, s.prompt_ids, s.response_ids, s.loss_mask, s.logprobs)
+            for s in sequences(segments_of(episode))
+        ]
+
+    assert ids(resumed) == ids(whole) and len(ids(whole)) == 2
+    # The compacted segment begins with the task's first messages, not the resumed history.
+    messages, _ = templater.prompt_calls[-1]
+    assert messages[: len(first)] == first and len(messages) == len(first) + 3

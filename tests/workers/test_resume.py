@@ -60,7 +60,7 @@ async def play(
     restored = None
     if restored_from is not None:
         # None: nothing to keep, the episode starts again (as RUN does then).
-        restored = restore(restored_from, messages, declared, templater, attempt=1)
+        restored = restore(restored_from, messages, declared, attempt=1)
         if restored is not None:
             # The fake templater numbers observations in order: on from the saved ones.
             templater._next += OBS * sum(isinstance(t, EnvTurn) for t in restored.stored.turns)
@@ -138,10 +138,7 @@ def test_what_restore_reports_and_refuses() -> None:
                            tool_calls=[{"name": "bash", "arguments": rm}])  # fmt: skip
     saved = snapshot(builder)
     handler = ShellHandler()
-    templater = FakeTemplater()
-    restored = restore(
-        saved, handler.initial_messages(SHELL_TASK), handler.tools(SHELL_TASK), templater, 2
-    )
+    restored = restore(saved, handler.initial_messages(SHELL_TASK), handler.tools(SHELL_TASK), 2)
     assert restored is not None
     assert (restored.first_turn, restored.pending) == (1, None)
     resume = restored.resume
@@ -154,17 +151,17 @@ def test_what_restore_reports_and_refuses() -> None:
     # Nothing to keep: only a call whose tools may have run.
     first_only = snapshot(builder)
     first_only.turns = first_only.turns[:1]
-    assert restore(first_only, [], handler.tools(SHELL_TASK), templater) is None
+    assert restore(first_only, [], handler.tools(SHELL_TASK)) is None
     # Not the built-in loop's one segment: started again instead.
     segmented = saved.model_copy(deep=True)
     segmented.turns[2].tool_calls = []  # type: ignore[union-attr]
     segmented.turns[2].segment_start = "rerendered"  # type: ignore[union-attr]
-    assert restore(segmented, [], handler.tools(SHELL_TASK), templater) is None
+    assert restore(segmented, [], handler.tools(SHELL_TASK)) is None
     # Turns that are not one record (a prompt that does not follow) are not gone on with.
     broken = saved.model_copy(deep=True)
     broken.turns[2].tool_calls = []  # type: ignore[union-attr]
     broken.turns[2].prompt_ids = [42]  # type: ignore[union-attr]
-    assert restore(broken, [], None, templater) is None
+    assert restore(broken, [], None) is None
 
 
 @pytest.mark.parametrize("cut", ["length"])
@@ -173,6 +170,6 @@ def test_a_saved_last_call_cut_by_its_bound_is_made_again(cut: str) -> None:
     builder.add_model_turn([3], [-0.1], "thinking", "stop", 0.1)
     builder.add_env_turn([60_000], "go on")
     builder.add_model_turn([4], [-0.2], "more", cut, 0.1)
-    restored = restore(snapshot(builder), [], None, FakeTemplater())
+    restored = restore(snapshot(builder), [], None)
     assert restored is not None
     assert (restored.resume.dropped_turns, restored.first_turn, restored.pending) == (1, 1, None)
