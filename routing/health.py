@@ -116,7 +116,7 @@ def sweep(
             report.readmitted.append(backend_id)
             log.info("backend %s answers again: re-admitted", backend_id)
     for backend in held:
-        why = reload(pool, backend) if load is None else reload(pool, backend, load)
+        why = reload(pool, backend, load)
         if why is None:
             report.reloaded.append(backend.id)
         else:

@@ -83,12 +83,12 @@ async def _load(backend: Backend, path: str) -> float:
     )
 
 
-def reload(pool: BackendPool, backend: Backend, load: Loader = _load) -> str | None:
+def reload(pool: BackendPool, backend: Backend, load: Loader | None = None) -> str | None:
     """Load the held backend's last weights again and let it work under its policy version
     (unless an operator had drained it); None, or why it stays drained."""
     assert backend.weights_path is not None
     try:
-        seconds = asyncio.run(_run(load(backend, backend.weights_path)))
+        seconds = asyncio.run(_run((load or _load)(backend, backend.weights_path)))
     except WeightUpdateError as exc:
         why = f"restarted, and loading {backend.weights_path} again failed: {exc.message}"
     except Exception as exc:

@@ -140,7 +140,8 @@ async def run_episode(
                 # A saved call whose reply was not (workers.resume): read again, not made again.
                 model_turn, pending, max_tokens = pending, None, limits.max_tokens
                 parsed = parse_tool_calls(model_turn.text) if tools else ParsedCalls()
-                reply = restored.reply if restored is not None else {}
+                assert restored is not None  # a pending turn is a restored one
+                reply = restored.reply
             step_started = time.perf_counter()
             try:
                 _cut_by_bounds(model_turn, builder, context, limits, max_tokens)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from api.client import RolloutClient
-from core.schemas import JobStatus, ModelTurn, Trajectory
-from tests.support.segments import assert_segments_exact, total_ids
+from core.schemas import ModelTurn
+from tests.support.segments import assert_segments_exact, compacted_episode, total_ids
 
 pytestmark = [pytest.mark.full, pytest.mark.compaction]
 
@@ -37,15 +37,9 @@ def test_episodes_several_contexts_long_compact_into_exact_segments(
     # The random tiny model never states an answer: each turn is 64 sampled ids and a reminder,
     # and the episode runs all its 12 turns, compacting whenever it passes 300 ids.
     compaction = {"threshold": 300, "keep_turns": 1, "max_summary_tokens": 48}
-    traj = client.submit_rollout(
-        TASK,
-        sampling={"seed": 7, "max_tokens": 64, "temperature": 1.0},
-        agent={"max_turns": 12, "max_total_tokens": 100_000, "compaction": compaction},
-        wait=True,
-        timeout=600,
+    traj = compacted_episode(
+        client, TASK, compaction, seed=7, max_tokens=64, max_turns=12, timeout=600
     )
-    assert isinstance(traj, Trajectory)
-    assert traj.status is JobStatus.completed, traj.error
     assert traj.stop_reason == "max_turns"
     reasons = [s.reason for s in traj.segments]
     assert len(reasons) >= 3 and set(reasons) == {"compaction"}

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from api.client import RolloutClient
 from core.flatten import sequences
-from core.schemas import Trajectory
+from core.schemas import JobStatus, Trajectory
 from tests.support.weights import max_diff, teacher_forced
+
+
+def compacted_episode(
+    client: RolloutClient,
+    task: dict[str, Any],
+    compaction: dict[str, Any],
+    *,
+    seed: int,
+    max_tokens: int,
+    max_turns: int,
+    timeout: float,
+) -> Trajectory:
+    """A completed episode of `task` sampled at temperature 1 with `agent.compaction`."""
+    trajectory = client.submit_rollout(
+        task,
+        sampling={"seed": seed, "max_tokens": max_tokens, "temperature": 1.0},
+        agent={"max_turns": max_turns, "max_total_tokens": 100_000, "compaction": compaction},
+        wait=True,
+        timeout=timeout,
+    )
+    assert isinstance(trajectory, Trajectory)
+    assert trajectory.status is JobStatus.completed, trajectory.error
+    return trajectory
 
 
 def total_ids(trajectory: Trajectory) -> int:

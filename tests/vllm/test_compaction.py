@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from api.client import RolloutClient
-from core.schemas import JobStatus, Trajectory
 from deploy.stack import Stack
-from tests.support.segments import assert_segments_exact, total_ids
+from tests.support.segments import assert_segments_exact, compacted_episode, total_ids
 from tests.vllm.conftest import VllmServer, registered
 
 pytestmark = [pytest.mark.vllm, pytest.mark.compaction]
@@ -29,15 +28,9 @@ def test_a_long_episode_compacts_into_exact_segments_on_vllm(
         registered(stack, vllm_server.url, vllm_server.model, api=api, backend_id=f"c-{api}"),
         RolloutClient(stack.gateway_url, timeout=60) as client,
     ):
-        traj = client.submit_rollout(
-            task,
-            sampling={"seed": 11, "max_tokens": 128, "temperature": 1.0},
-            agent={"max_turns": 16, "max_total_tokens": 100_000, "compaction": compaction},
-            wait=True,
-            timeout=900,
+        traj = compacted_episode(
+            client, task, compaction, seed=11, max_tokens=128, max_turns=16, timeout=900
         )
-    assert isinstance(traj, Trajectory)
-    assert traj.status is JobStatus.completed, traj.error
     total = total_ids(traj)
     assert {s.reason for s in traj.segments} == {"compaction"}
     assert total > 2 * CONTEXT, f"{total} ids: the episode ended early ({traj.stop_reason})"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from core.schemas import EnvTurn, ModelTurn
+from core.schemas import Compaction, EnvTurn, ModelTurn
 from routing.protocol import Completion, KnowsRefusedIds
 from routing.vllm import OutOfVocabularyError
 from workers.agent import Episode, Limits, run_episode
@@ -163,6 +163,7 @@ async def run_math(
     policy: FakePolicy | None = None,
     templater: FakeTemplater | None = None,
     saved: list[tuple[int, int]] | None = None,
+    compaction: Compaction | None = None,
     **limit_overrides: Any,
 ) -> tuple[Episode, FakePolicy, FakeTemplater]:
     handler = MathHandler()
@@ -182,6 +183,7 @@ async def run_math(
         templater,
         limits(**limit_overrides),
         on_turn=on_turn,
+        compaction=compaction,
     )
     return episode, policy, templater
 

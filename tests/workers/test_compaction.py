@@ -19,6 +19,7 @@ from tests.workers.test_agent_loop import (
     FakeTemplater,
     Say,
     limits,
+    run_math,
 )
 from tests.workers.test_resume import snapshot
 from workers.agent import Episode, run_episode
@@ -55,20 +56,13 @@ async def run(
     context: int = 4096,
     max_turns: int = 10,
 ) -> tuple[Episode, FakePolicy, FakeTemplater]:
-    handler = MathHandler()
-    policy = FakePolicy(script, context)
-    templater = templater or FakeTemplater()
-    episode = await run_episode(
-        handler,
-        MATH_TASK,
-        handler.initial_messages(MATH_TASK),
-        handler.tools(MATH_TASK),
-        policy,
-        templater,
-        limits(max_turns=max_turns),
+    return await run_math(
+        list(script),
+        policy=FakePolicy(list(script), context),
+        templater=templater,
         compaction=plan,
+        max_turns=max_turns,
     )
-    return episode, policy, templater
 
 
 def segments_of(episode: Episode) -> Trajectory:
