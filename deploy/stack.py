@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -150,10 +151,14 @@ class Stack:
             log.info("embedded Redis at %s", redact_url(self.redis_url))
         if self.options.flower:
             self._check_flower_exposure()
+        # The engines load (seconds for the development server, minutes for vLLM) while the
+        # workers and the gateway start: nothing of theirs needs a backend until one is
+        # registered, below.
+        engines_served: list[Callable[[], None]] = []
         if self.options.dev_backend is not None:
-            self._start_dev_backend(self.options.dev_backend)
+            engines_served.append(self._start_dev_backend(self.options.dev_backend))
         if self.options.vllm is not None:
-            self._start_vllm(self.options.vllm)
+            engines_served.append(self._start_vllm(self.options.vllm))
         for queue, concurrency in self.options.workers.items():
             if queue == "run" and self.options.run_jobs > 0:
                 self.start_worker(queue, 1, jobs=self.options.run_jobs)
@@ -162,6 +167,8 @@ class Stack:
         self._start_gateway()
         if self.options.flower:
             self._start_flower()
+        for served in engines_served:
+            served()
         for name in list(self.worker_names):
             self.wait_worker(name)
         self._register_backends()
@@ -253,7 +260,9 @@ class Stack:
             log_path = self.data_dir / "logs" / f"{name}.log"
             self.children[name] = spawn(argv, env=env, log_path=str(log_path))
 
-    def _start_dev_backend(self, opts: DevBackendOptions) -> None:
+    def _start_dev_backend(self, opts: DevBackendOptions) -> Callable[[], None]:
+        """Start the development server; returns what waits until it listens and adds it to
+        the backends to register."""
         port = opts.port or free_port()
         argv = [sys.executable, "-m", "deploy.cli", "dev-backend"]
         if opts.model_dir is not None:
@@ -269,24 +278,28 @@ class Stack:
             argv += ["--unscored"]
         argv += opts.extra_args
         proc = self._spawn("dev-backend", argv, {"VLLM_API_KEY": self.backend_api_key})
-        # First start may build the tiny model (a few seconds) before it listens.
-        wait_for_port("127.0.0.1", port, 180, proc)
         self.dev_backend_url = f"http://127.0.0.1:{port}"
-        model = (opts.model_dir or self.settings.tiny_model_dir).name
-        self.options.backends.insert(
-            0,
-            {
-                "url": self.dev_backend_url,
-                "model": model,
-                "kind": "vllm",
-                "id": "dev",
-                "api_key": self.backend_api_key,
-            },
-        )
 
-    def _start_vllm(self, opts: VllmOptions) -> None:
-        """Start a real vLLM on loopback from its own virtualenv, wait until it serves (a
-        minute or two on a CPU), and add it to the backends to register."""
+        def served() -> None:
+            # First start may build the tiny model (a few seconds) before it listens.
+            wait_for_port("127.0.0.1", port, 180, proc)
+            model = (opts.model_dir or self.settings.tiny_model_dir).name
+            self.options.backends.insert(
+                0,
+                {
+                    "url": self.dev_backend_url,
+                    "model": model,
+                    "kind": "vllm",
+                    "id": "dev",
+                    "api_key": self.backend_api_key,
+                },
+            )
+
+        return served
+
+    def _start_vllm(self, opts: VllmOptions) -> Callable[[], None]:
+        """Start a real vLLM on loopback from its own virtualenv; returns what waits until it
+        serves (a minute or two on a CPU) and adds it to the backends to register."""
         status = usable_vllm(opts.venv)
         model_dir = opts.model_dir
         if model_dir is None:
@@ -305,17 +318,26 @@ class Stack:
             self._scratch.append(tmp)  # moved: too deep for vLLM's sockets; removed at stop
         proc = self._spawn("vllm", argv, whole_env=env)
         self.vllm_url = f"http://127.0.0.1:{port}"
-        wait_served(
-            self.vllm_url,
-            proc,
-            self.data_dir / "logs" / "vllm.log",
-            opts.ready_timeout,
-            api_key=self.backend_api_key,
-        )
-        self.options.backends.insert(
-            0,
-            {"url": self.vllm_url, "model": name, "kind": "vllm", "api_key": self.backend_api_key},
-        )
+
+        def served() -> None:
+            wait_served(
+                self.vllm_url,
+                proc,
+                self.data_dir / "logs" / "vllm.log",
+                opts.ready_timeout,
+                api_key=self.backend_api_key,
+            )
+            self.options.backends.insert(
+                0,
+                {
+                    "url": self.vllm_url,
+                    "model": name,
+                    "kind": "vllm",
+                    "api_key": self.backend_api_key,
+                },
+            )
+
+        return served
 
     def start_worker(
         self,

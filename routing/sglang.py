@@ -85,13 +85,13 @@ def check_tokenizer_name(name: str, roots: Sequence[Path] | None) -> str:
 def _load_tokenizer(name: str) -> Any:
     """The tokenizer `name` names: an absolute path or a hub id (`check_tokenizer_name`; the
     gateway checked the roots at registration), never downloaded."""
-    from transformers import AutoTokenizer
+    from routing.hf_tokenizer import load_tokenizer
 
     source = check_tokenizer_name(name, None)
     if not os.path.isabs(source) and os.path.exists(source):
         # from_pretrained would read a relative directory of the working directory first
         raise TokenizerRefused(f"{name!r} names a relative path; give an absolute one")
-    return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+    return load_tokenizer(source, local_files_only=True, trust_remote_code=False)
 
 
 class SGLangClient(HTTPBackend):

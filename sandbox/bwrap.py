@@ -544,6 +544,12 @@ class BubblewrapSandbox(ProcessSandbox):
                 network.close()
 
 
+PROBE_PATHS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32")
+"""What the availability probe's box sees: enough to run `true`."""
+_AVAILABLE: set[tuple[str, bool]] = set()
+"""(bwrap, as root) pairs found able to make boxes in this process."""
+
+
 class BubblewrapBackend(SandboxBackend):
     """Boxes made with bubblewrap (see the module docstring)."""
 
@@ -581,12 +587,20 @@ class BubblewrapBackend(SandboxBackend):
 
     @functools.cache  # noqa: B019 - one answer per backend object is the point
     def available(self) -> tuple[bool, str]:
+        """Whether this host can make boxes, by making one that runs `true`. A yes is kept for
+        the process (the host's capability does not come and go); a no is asked again."""
+        if (self.executable, self.privileged) in _AVAILABLE:
+            return True, ""
         if shutil.which(self.executable) is None:
             return False, "bubblewrap is not installed (apt-get install bubblewrap)"
         namespaces = ["--unshare-pid", "--unshare-net"] if self.privileged else [
             "--unshare-all", "--unshare-user"
         ]  # fmt: skip
-        probe = [self.executable, "--ro-bind", "/", "/", *namespaces, "true"]
+        # Only the programs and libraries, not the host's whole tree: binding `/` takes every
+        # mount under it along, and one that goes away meanwhile (another box's disk, a
+        # network namespace) fails the bind.
+        binds = [arg for path in PROBE_PATHS for arg in ("--ro-bind-try", path, path)]
+        probe = [self.executable, *binds, *namespaces, "true"]
         try:
             result = subprocess.run(probe, capture_output=True, timeout=10, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -594,6 +608,7 @@ class BubblewrapBackend(SandboxBackend):
         if result.returncode != 0:
             why = result.stderr.decode(errors="replace").strip()
             return False, f"bubblewrap cannot make a box here (user namespaces off?): {why}"
+        _AVAILABLE.add((self.executable, self.privileged))
         return True, ""
 
     def create(self, spec: SandboxSpec, state_root: Path) -> BubblewrapSandbox:

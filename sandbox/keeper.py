@@ -255,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not stop.wait(0.5):
             # A halted box is over by design (its files wait for grading); any other box
-            # that is not running died.
-            if time.monotonic() > deadline or not (box.halted or box.alive()):
+            # that is not running died. A box whose state dir is gone was reaped or released
+            # by another process (a halted one has nothing left running to tell).
+            over = not (box.halted or box.alive()) or not box.state_dir.is_dir()
+            if time.monotonic() > deadline or over:
                 break
     finally:
         control.close()

@@ -5,6 +5,7 @@ fixtures of `tests/support/` are loaded as plugins."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,15 @@ pytest_plugins = [
 ]
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """torch in a test process computes on one thread: the suite runs several test processes
+    and stacks at once on a few cores, where torch's idle threads spin on CPU others need."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -82,9 +92,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+    from routing.hf_tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    return load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture

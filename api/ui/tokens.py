@@ -140,9 +140,9 @@ def tokenizer_source(
 def load_tokenizer(source: str) -> Any:
     """The tokenizer in a local directory, or None when transformers cannot load it here."""
     try:
-        from transformers import AutoTokenizer
+        from routing.hf_tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+        return load_tokenizer(source, local_files_only=True)
     except Exception:  # not installed in the gateway's environment, or not a tokenizer
         log.info("the console cannot load the tokenizer at %s; showing ids only", source)
         return None

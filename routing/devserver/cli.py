@@ -53,6 +53,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-text", default=DEFAULT_TEXT)
     parser.add_argument("--turn-marker", default=DEFAULT_TURN_MARKER)
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the model (default 1: a small model gains nothing from more, "
+        "and idle threads spinning beside other processes cost their CPU)",
+    )
     parser.add_argument("--log-level", default="warning")
     parser.add_argument(
         "--api-key",
@@ -119,6 +126,9 @@ def _serve(argv: list[str]) -> int:
     from routing.devserver.engine import Engine, ModelEngine, ScriptEngine, UnscoredScriptEngine
     from routing.devserver.tiny import make_tiny_model
 
+    if args.threads < 1:
+        print(f"--threads {args.threads}: give 1 or more", file=sys.stderr)
+        return 2
     model_dir = args.model
     if model_dir is None:
         model_dir = make_tiny_model(_default_model_dir())
@@ -155,6 +165,7 @@ def _serve(argv: list[str]) -> int:
         )
     else:
         engine = ModelEngine(model_dir, **common)
+    engine.set_threads(args.threads)
     log.warning(
         "serving %s (%s engine, %s) on http://%s:%d, loaded in %.1fs",
         engine.served_model_name,

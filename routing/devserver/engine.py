@@ -200,7 +200,7 @@ class Engine:
         delay_max: float | None = None,
         chat_template: str | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from routing.hf_tokenizer import load_tokenizer
 
         self.model_dir = Path(model_dir)
         self.weights_path = self.model_dir
@@ -212,7 +212,7 @@ class Engine:
         """With `delay_max` above `delay`, each request waits a uniformly drawn time between
         them (a fleet whose answers take 1-5 s, say)."""
         self._delays = random.Random(0)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer: Any = load_tokenizer(self.model_dir)
         self.chat_template = chat_template
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.vocab_size = len(self.tokenizer)
@@ -268,6 +268,9 @@ class Engine:
         )
         return self.encode(str(text), add_special_tokens=add_special_tokens)
 
+    def set_threads(self, threads: int) -> None:
+        """Threads of the model's computations (an engine without a model has none)."""
+
     # --- completions
 
     def request_delay(self) -> float:
@@ -316,6 +319,9 @@ class ModelEngine(Engine):
         # transformers 5 renamed `past_key_values` to `cache`; accept either.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
+
+    def set_threads(self, threads: int) -> None:
+        self._torch.set_num_threads(threads)
 
     def _forward(
         self, ids: list[int], *, keep: int, cache: Any = None, use_cache: bool
@@ -579,6 +585,9 @@ class UnscoredScriptEngine(ScriptEngine):
     ) -> None:
         self._use_script(script, default_text, turn_marker)
         Engine.__init__(self, model_dir, **kwargs)
+
+    def set_threads(self, threads: int) -> None:
+        Engine.set_threads(self, threads)  # no model, no torch
 
     def score(
         self, prompt_ids: list[int], output_ids: list[int], top: int | None

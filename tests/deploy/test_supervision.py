@@ -129,6 +129,7 @@ def test_rollserve_worker_exits_non_zero_when_the_broker_stays_away(tmp_path: Pa
         "ROLLSERVE_DATA_DIR": str(tmp_path),
         "ROLLSERVE_SANDBOX_DIR": str(tmp_path / "sandboxes"),
         "ROLLSERVE_BROKER_CONNECTION_MAX_RETRIES": "1",
+        "ROLLSERVE_REDIS_RETRY_SECONDS": "1",  # the first heartbeat gives up at once too
     }
     argv = [sys.executable, "-m", "deploy.cli", "worker", "run", "--concurrency", "1"]
     worker = spawn(argv, env=env, log_path=str(tmp_path / "worker.log"), cwd=str(REPO))

@@ -258,13 +258,19 @@ class Cluster:
         """Stop every process this cluster started, and the boxes its nodes left; returns
         the command lines of processes that outlived that (killed now)."""
         self.procs.stop_all()
-        for node in self.network.hosts[1:]:
-            boxes = self.run_dir / node
-            if boxes.is_dir():
-                reap(boxes, lambda _job: False)
+
+        def reaped() -> bool:
+            # Again each time: a keeper that an INIT started just before its worker stopped
+            # may start its box after a first reap.
+            for node in self.network.hosts[1:]:
+                boxes = self.run_dir / node
+                if boxes.is_dir():
+                    reap(boxes, lambda _job: False)
+            return not self._leftovers()
+
         # A keeper leaves on its own once the reaper has ended its box (it looks every 0.5 s).
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: not self._leftovers(), 15, "the keepers to leave", interval=0.2)
+            wait_until(reaped, 15, "the keepers to leave", interval=0.5)
         stragglers = []
         for pid in self._leftovers():
             with contextlib.suppress(OSError):

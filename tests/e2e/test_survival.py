@@ -82,6 +82,7 @@ def stack_settings(request: pytest.FixtureRequest, data: Path) -> dict[str, Any]
 
 
 def requests_in_flight(stack: Stack) -> float:
+    """Requests the engine holds: waiting (the script's delay) or running."""
     answer = httpx.get(
         f"{stack.dev_backend_url}/metrics",
         headers={"Authorization": f"Bearer {stack.backend_api_key}"},
@@ -90,7 +91,7 @@ def requests_in_flight(stack: Stack) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in answer.text.splitlines()
-        if line.startswith("vllm:num_requests_running")
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
     )
 
 
@@ -114,10 +115,25 @@ def test_a_run_worker_killed_mid_episode_is_resumed_from_its_last_saved_turn(
             and requests_in_flight(stack) >= 1
         )
 
-    wait_until(between_turns, 120, "the episode half done, a model call in flight")
+    def frozen_between_turns() -> str | None:
+        """The RUN worker holding the job, stopped (SIGSTOP, its whole group) while the
+        engine holds its model call and every earlier turn is saved; None (and running
+        again) when the stop came a moment too late."""
+        wait_until(between_turns, 120, "the episode half done, a model call in flight")
+        holder = holder_pid(job_fields(r, job_id))
+        [victim] = [n for n in stack.worker_names if stack.children[n].pid == holder]
+        os.killpg(stack.children[victim].pid, signal.SIGSTOP)
+        # Read after the stop: a call still on the engine means the worker waits for its
+        # answer, so no tool of this turn has run (it cannot start one while stopped).
+        if between_turns():
+            return victim
+        os.killpg(stack.children[victim].pid, signal.SIGCONT)
+        return None
+
+    victim = None
+    while victim is None:
+        victim = frozen_between_turns()
     saved = client.get_rollout(job_id)
-    holder = holder_pid(job_fields(r, job_id))
-    [victim] = [n for n in stack.worker_names if stack.children[n].pid == holder]
     stack.kill_worker(victim, signal.SIGKILL)
     stack.wait_worker(stack.start_worker("run", 1))
 

@@ -156,6 +156,26 @@ def test_importing_the_server_modules_does_not_import_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_the_model_runs_on_the_threads_asked_for_and_zero_is_refused(tiny_model_dir: Path) -> None:
+    import torch
+
+    from routing.devserver.engine import ModelEngine
+
+    before = torch.get_num_threads()
+    try:
+        engine = ModelEngine(tiny_model_dir)
+        for threads in (before + 1, 1):
+            engine.set_threads(threads)
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "dev-backend", "--threads", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--threads 0" in out.stderr
+
+
 # ----------------------------------------------------------------------------- model mode
 
 

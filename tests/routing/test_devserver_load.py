@@ -21,6 +21,7 @@ def test_unscored_answers_the_script_with_made_up_logprobs_and_no_model(
 ) -> None:
     engine = UnscoredScriptEngine(tiny_model_dir, script_file(tmp_path))
     assert not hasattr(engine, "model")  # no weights were loaded
+    engine.set_threads(4)  # as the server sets them: nothing to run them, nothing to fail
     prompt = engine.encode("HELLO: say hi")
     plan = engine.plan(prompt, SamplingParams(max_tokens=16, logprobs=2))
     assert plan.delay == 0.5  # the script entry's delay

@@ -67,3 +67,23 @@ def test_a_keeper_given_a_spec_that_is_not_json_exits_saying_so(state_root: Path
             assert main(["--backend", "bwrap", "--state-root", str(state_root)]) == 1
         finally:
             sys.stdin = saved
+
+
+def test_the_keeper_of_a_halted_box_leaves_once_a_sweep_reaps_the_box(
+    bwrap_backend: BubblewrapBackend, state_root: Path
+) -> None:
+    from sandbox.keeper import halt, is_kept
+    from sandbox.reaper import reap
+    from tests.support.wait import wait_until
+
+    spec = SandboxSpec(job_id=new_job_id())
+    kept = launch(spec, "bwrap", state_root)
+    try:
+        halt(kept)  # its processes gone on purpose: nothing of the box is running
+        assert is_kept(kept)
+        assert reap(state_root, lambda _job: False) == [kept.id]
+        # Its lease is long; the keeper sees its state dir gone and leaves now.
+        wait_until(lambda: not is_kept(kept), 10, "the keeper to leave")
+    finally:
+        sandbox.keeper.release(kept)
+    assert keepers_of(spec.job_id) == []

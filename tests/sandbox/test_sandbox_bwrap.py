@@ -7,11 +7,12 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -55,6 +56,28 @@ def test_backends_are_named_and_an_unknown_name_lists_them() -> None:
     ]
     with pytest.raises(ValueError, match="choose one of auto, apptainer, bwrap, local"):
         get_backend("docker")
+
+
+def test_the_probe_binds_no_whole_tree_and_a_yes_is_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A bwrap of its own path: the yes of the real one (asked by other tests) is not its own.
+    fake = tmp_path / "bwrap"
+    fake.symlink_to(shutil.which("bwrap") or "/usr/bin/bwrap")
+    backend = BubblewrapBackend(executable=str(fake))
+    probes: list[list[str]] = []
+    run = subprocess.run
+
+    def spy(argv: list[str], **kwargs: Any) -> Any:
+        probes.append(argv)
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    assert backend.available() == (True, "")
+    [probe] = probes
+    bound = [probe[i + 1] for i, arg in enumerate(probe) if arg.startswith("--ro-bind")]
+    assert "/" not in bound and "/usr" in bound  # a mount going away under / cannot fail it
+    assert backend.available() == (True, "") and len(probes) == 1
 
 
 def test_not_available_says_why_without_the_binary() -> None:

@@ -105,13 +105,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 class TierClock:
     """Per tier: seconds of test time (setup, call and teardown) and of CPU (the test process
     and the processes it started and waited for); the modules that cost the most CPU; the
-    session's wall time."""
+    groups that take the longest; the session's wall time."""
 
     def __init__(self) -> None:
         self.began = time.monotonic()
         self.seconds: dict[str, float] = {"check": 0.0, "full": 0.0}
         self.cpu: dict[str, float] = {"check": 0.0, "full": 0.0}
         self.module_cpu: dict[str, float] = {}
+        self.group_seconds: dict[str, float] = {}
         self.tests: dict[str, set[str]] = {"check": set(), "full": set()}
 
     @pytest.hookimpl
@@ -119,6 +120,8 @@ class TierClock:
         tier = "full" if "full" in report.keywords else "check"
         self.seconds[tier] += report.duration
         self.tests[tier].add(report.nodeid)
+        group = group_of(report.nodeid)
+        self.group_seconds[group] = self.group_seconds.get(group, 0.0) + report.duration
         for name, value in report.user_properties:
             if name == "cpu_seconds" and isinstance(value, float):
                 self.cpu[tier] += value
@@ -135,6 +138,10 @@ class TierClock:
         costly = sorted(self.module_cpu.items(), key=lambda kv: -kv[1])[:15]
         for module, seconds in costly:
             write(f"{seconds:8.1f}s CPU  {module}")
+        terminalreporter.section("the groups that take the longest (one worker each)")
+        longest = sorted(self.group_seconds.items(), key=lambda kv: -kv[1])[:25]
+        for group, seconds in longest:
+            write(f"{seconds:8.1f}s  {group}")
         terminalreporter.section("time of each tier")
         for tier in ("check", "full"):
             count = len(self.tests[tier])
