@@ -12,7 +12,7 @@ HARNESS_STAMP := $(HARNESS_VENV)/.installed-stamp
 HARNESS_PACKAGES := mini-swe-agent==2.4.6 openai==3.51.0 anthropic==2.10.0
 
 .PHONY: demo test check lint typecheck unit bench bench-quick chaos install system-deps vllm vllm-or-skip \
-	harness-env harness-env-build harness-env-or-skip clean
+	harness-env harness-env-build harness-env-or-skip suite-beside-vllm clean
 
 install: $(STAMP) system-deps
 
@@ -113,11 +113,16 @@ check: lint typecheck
 unit: install vllm-or-skip harness-env-or-skip
 	$(PYTEST)
 
-# On a fresh clone the two extra virtualenvs (vLLM's, the harnesses') are made while lint and
-# types run: they wait on downloads and disks more than on the CPU.
-test: install
-	$(MAKE) --no-print-directory -j3 lint typecheck vllm-or-skip harness-env-or-skip
-	$(MAKE) --no-print-directory unit
+# On a fresh clone vLLM's virtualenv (minutes of downloads and disk, with the system Python)
+# is made from the start, beside the project's install, lint, types, the harnesses'
+# virtualenv and the suite: the tests that need vLLM wait for that install
+# (tests/support/vllm.py), the others do not.
+test:
+	$(MAKE) --no-print-directory -j2 vllm-or-skip suite-beside-vllm
+
+suite-beside-vllm: install
+	$(MAKE) --no-print-directory -j3 lint typecheck harness-env-or-skip
+	ROLLSERVE_VLLM_INSTALLING=1 $(PYTEST)
 
 # Every benchmark but the chaos run (`make chaos`).
 BENCHES := $(filter-out bench/chaos.py,$(wildcard bench/*.py))

@@ -16,6 +16,10 @@ vLLM pins its own torch, transformers and much else, so it never shares rollserv
    contains `cpu` ("Failed to infer device type" otherwise);
 5. `vllm --version` must answer; only then is the stamp written.
 
+An install holds an exclusive lock on `<venv>.lock` (beside the venv) while it runs, so a test
+session started beside it (`make test` runs the suite while vLLM installs) waits for it
+(`wait_installed`) instead of finding nothing there.
+
 Idempotent: a venv with a stamp for this version is left alone. A failed install leaves the
 step and the end of its output in the venv (`find_vllm` reports them), so the tests that
 need vLLM skip saying why. Standard library only: `make vllm` runs this with the system
@@ -25,13 +29,15 @@ Python before any virtualenv exists (`python3 -m deploy.vllm_env install [DIR]`)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,11 +292,78 @@ class _Installer:
         print(f"make vllm: {name_vllm(self.venv).name}", flush=True)
 
 
+INSTALLING_ENV = "ROLLSERVE_VLLM_INSTALLING"
+"""Set (to 1) for a test session that `make test` starts beside a vLLM install: tests that
+need vLLM wait for that install (`wait_installed`) rather than skip at once."""
+START_GRACE = 60.0
+"""Seconds `wait_installed` gives an install said to run beside it to take its lock."""
+
+
+def lock_path(venv: Path) -> Path:
+    """The lock an install holds while it runs: beside the venv, which it may remove."""
+    return venv.parent / f"{venv.name}.lock"
+
+
+@contextlib.contextmanager
+def _install_lock(venv: Path) -> Iterator[None]:
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path(venv), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second install waits for the first
+        yield
+
+
+def installing(venv: Path) -> bool:
+    """Whether an install into `venv` runs now (it holds the lock)."""
+    try:
+        lock = open(lock_path(venv))  # noqa: SIM115
+    except FileNotFoundError:
+        return False
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return False
+
+
+def wait_installed(
+    venv: Path | None = None,
+    timeout: float = 1800.0,
+    expected: bool | None = None,
+    poll: float = 1.0,
+) -> VllmStatus:
+    """`find_vllm`, once no install into `venv` runs any more (or `timeout` passed). With
+    `expected` (default: `INSTALLING_ENV` is set) an install is known to have been started
+    beside the caller: until it takes its lock (`START_GRACE`), its absence is not an answer."""
+    venv = Path(venv) if venv is not None else default_venv()
+    expected = bool(os.environ.get(INSTALLING_ENV)) if expected is None else expected
+    began = time.monotonic()
+    while True:
+        status = find_vllm(venv)
+        if status.usable or (venv / FAILED).is_file():
+            return status
+        waited = time.monotonic() - began
+        if not installing(venv) and not (expected and waited < START_GRACE):
+            return status
+        if waited > timeout:
+            return VllmStatus(
+                venv, False, f"the vLLM install into {venv} did not end within {timeout:.0f}s"
+            )
+        time.sleep(poll)
+
+
 def install(venv: Path | None = None, python: str = sys.executable) -> VllmStatus:
     """Build the vLLM virtualenv at `venv` (default `default_venv()`) unless it is already
     built for this version; returns `find_vllm` of it afterwards. A failure is recorded in
-    the venv (see `find_vllm`) and raised as `InstallError`."""
+    the venv (see `find_vllm`) and raised as `InstallError`. Holds `lock_path(venv)` while it
+    runs."""
     venv = Path(venv) if venv is not None else default_venv()
+    with _install_lock(venv):
+        return _install(venv, python)
+
+
+def _install(venv: Path, python: str) -> VllmStatus:
     status = find_vllm(venv)
     if status.usable:
         (venv / STAMP).touch()  # newer than this module: make has nothing left to do

@@ -12,10 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from deploy import vllm_env
 from deploy.vllm_env import (
     FAILED,
     STAMP,
@@ -25,12 +28,22 @@ from deploy.vllm_env import (
     check_vllm,
     find_vllm,
     install,
+    installing,
+    lock_path,
     name_vllm,
+    wait_installed,
 )
 
 pytestmark = pytest.mark.full
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+HOLD_THE_LOCK = (
+    "import fcntl, sys; lock = open(sys.argv[1], 'a'); fcntl.flock(lock, fcntl.LOCK_EX); "
+    "print('locked', flush=True); sys.stdin.read()"
+)
+"""An install in another process: it holds the lock until its stdin closes."""
 
 
 def stamped_venv(venv: Path, stamp: dict[str, str] | None = None) -> Path:
@@ -60,6 +73,48 @@ def test_a_finished_venv_is_usable(tmp_path: Path) -> None:
 def test_a_stamp_of_another_version_is_not_usable(tmp_path: Path) -> None:
     status = find_vllm(stamped_venv(tmp_path / "v", {"vllm": "0.1.0"}))
     assert not status.usable and "another vLLM install" in status.reason
+
+
+def test_a_session_beside_an_install_waits_for_it_and_finds_what_it_built(
+    tmp_path: Path,
+) -> None:
+    venv = tmp_path / "v"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(lock_path(venv))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+
+    def finish() -> None:
+        time.sleep(1.0)
+        stamped_venv(venv)
+        assert holder.stdin is not None
+        holder.stdin.close()
+
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        assert installing(venv) and not find_vllm(venv).usable
+        threading.Thread(target=finish, daemon=True).start()
+        status = wait_installed(venv, timeout=60, expected=False, poll=0.1)
+        assert status.usable  # it waited for the install rather than answer "not installed"
+        assert not installing(venv)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_no_install_is_no_wait_and_an_expected_one_that_never_starts_is_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    venv = tmp_path / "v"
+    began = time.monotonic()
+    assert not wait_installed(venv, expected=False).usable
+    assert time.monotonic() - began < 5
+    monkeypatch.setattr(vllm_env, "START_GRACE", 0.5)
+    status = wait_installed(venv, expected=True, poll=0.1)
+    assert not status.usable and "not installed" in status.reason
+    assert time.monotonic() - began >= 0.5
 
 
 def test_a_failed_install_is_recorded_and_becomes_the_skip_reason(tmp_path: Path) -> None:
