@@ -138,4 +138,4 @@ bench-quick: install
 	for b in $(BENCHES); do $(PY) $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(HARNESS_VENV) .rollserve results .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).lock $(HARNESS_VENV) .rollserve results .mypy_cache .ruff_cache

@@ -122,7 +122,8 @@ def test_a_backend_held_by_a_job_is_not_loaded_until_idle(
     assert served_path(server) == str(weight_dirs.original)  # not loaded under a running job
     assert http.get("/v1/backends/dev").json()["state"] == "draining"
     pool.release("job-1")
-    answer = http.post("/v1/backends/update_weights", json=body)
+    # Idle now: the load itself may take more than a second on a loaded machine.
+    answer = http.post("/v1/backends/update_weights", json={**body, "timeout": 60.0})
     assert answer.status_code == 200 and answer.json()["ok"], answer.text
     assert served_path(server) == str(weight_dirs.perturbed)
 
