@@ -99,7 +99,8 @@ typecheck: install
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, each module (and tests/vllm/ as a whole)
 # on one worker from start to end, the longest first (tests/support/tiers.py). It ends with
-# the 25 slowest tests, the modules that cost the most CPU and the time of each tier.
+# the 25 slowest tests, the modules that cost the most CPU, the groups that take the longest
+# and the time of each tier.
 TEST_WORKERS ?= 3
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --no-loadscope-reorder \
 	--durations=25

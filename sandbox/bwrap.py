@@ -546,8 +546,6 @@ class BubblewrapSandbox(ProcessSandbox):
 
 PROBE_PATHS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32")
 """What the availability probe's box sees: enough to run `true`."""
-_AVAILABLE: set[tuple[str, bool]] = set()
-"""(bwrap, as root) pairs found able to make boxes in this process."""
 
 
 class BubblewrapBackend(SandboxBackend):
@@ -587,10 +585,8 @@ class BubblewrapBackend(SandboxBackend):
 
     @functools.cache  # noqa: B019 - one answer per backend object is the point
     def available(self) -> tuple[bool, str]:
-        """Whether this host can make boxes, by making one that runs `true`. A yes is kept for
-        the process (the host's capability does not come and go); a no is asked again."""
-        if (self.executable, self.privileged) in _AVAILABLE:
-            return True, ""
+        """Whether this host can make boxes, by making one that runs `true` (asked once per
+        backend object)."""
         if shutil.which(self.executable) is None:
             return False, "bubblewrap is not installed (apt-get install bubblewrap)"
         namespaces = ["--unshare-pid", "--unshare-net"] if self.privileged else [
@@ -608,7 +604,6 @@ class BubblewrapBackend(SandboxBackend):
         if result.returncode != 0:
             why = result.stderr.decode(errors="replace").strip()
             return False, f"bubblewrap cannot make a box here (user namespaces off?): {why}"
-        _AVAILABLE.add((self.executable, self.privileged))
         return True, ""
 
     def create(self, spec: SandboxSpec, state_root: Path) -> BubblewrapSandbox:

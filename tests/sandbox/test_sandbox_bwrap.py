@@ -59,12 +59,9 @@ def test_backends_are_named_and_an_unknown_name_lists_them() -> None:
 
 
 def test_the_probe_binds_no_whole_tree_and_a_yes_is_kept(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    bwrap_backend: BubblewrapBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A bwrap of its own path: the yes of the real one (asked by other tests) is not its own.
-    fake = tmp_path / "bwrap"
-    fake.symlink_to(shutil.which("bwrap") or "/usr/bin/bwrap")
-    backend = BubblewrapBackend(executable=str(fake))
+    backend = BubblewrapBackend()  # a fresh object: its answer is not asked yet
     probes: list[list[str]] = []
     run = subprocess.run
 
